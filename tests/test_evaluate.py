@@ -1,0 +1,98 @@
+"""Evaluation and sweep on tiny random models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from transmla_tool.cli import main
+from transmla_tool.evaluate.cache import measure_context
+from transmla_tool.evaluate.local_task import build_cloze_task
+from transmla_tool.evaluate.run import EvalSettings, load_model, run_eval
+
+
+@pytest.fixture(scope="module")
+def converted_pair(make_model, text_file, tmp_path_factory):
+    from transmla_tool.convert import ConvertSettings, convert
+
+    src = make_model("llama", kv_heads=2, layers=2)
+    out = tmp_path_factory.mktemp("eval") / "mla"
+    convert(ConvertSettings(model=str(src), output=str(out), latent_dim=16, rope_dim=8, calib_data=str(text_file),
+                            calib_samples=8, calib_seq_len=64, dtype="float32", device="cpu", progress=False))
+    return src, out
+
+
+@pytest.mark.parametrize("which", ["source", "converted"])
+def test_measured_cache_equals_analytic(converted_pair, which):
+    """The bytes transformers' cache really holds match the architecture's formula for both models:
+    2*G*D for GQA, kv_lora_rank + qk_rope_head_dim for the DeepSeek-V3 output (the latent is cached,
+    not expanded K/V)."""
+    src, out = converted_pair
+    model = load_model(str(src if which == "source" else out), None, torch.float32, torch.device("cpu"))
+    ids = torch.randint(3, 300, (1, 100))
+    result = measure_context(model, ids, new_tokens=3, chunk=32)
+    assert result["measured_bytes"] == result["analytic_bytes"]
+    expected = 2 * 2 * 16 if which == "source" else 16 + 8
+    assert result["measured_values_per_token_per_layer"] == pytest.approx(expected)
+    assert result["analytic_bytes"] == expected * 2 * 100 * 4  # per token per layer x layers x context x fp32
+    assert result["decode_tokens_per_s"] > 0
+
+
+def test_eval_report(converted_pair, text_file, tmp_path):
+    src, out = converted_pair
+    tasks = build_cloze_task(str(text_file), tmp_path / "tasks", name="tiny_cloze", examples=12)
+    settings = EvalSettings(
+        original=str(src), converted=str(out), output_dir=str(tmp_path / "report"), data=str(text_file),
+        seq_len=64, max_tokens=640, contexts=[64, 200], new_tokens=4, prefill_chunk=50,
+        tasks=["tiny_cloze"], include_path=str(tasks), limit=12, device="cpu", progress=False,
+    )
+    report = run_eval(settings)
+    saved = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert saved["perplexity"]["original"] == pytest.approx(report["perplexity"]["original"])
+    ppl = saved["perplexity"]
+    assert ppl["ratio"] == pytest.approx(ppl["converted"] / ppl["original"])
+    assert ppl["tokens"] == 10 * 63
+    cache = saved["kv_cache"]
+    assert cache["values_per_token_per_layer"] == {"original": 64, "converted": 24}
+    for ctx in ("64", "200"):
+        measured = cache["measured_bytes"][ctx]
+        assert measured["converted"] / measured["original"] == pytest.approx(24 / 64)
+        assert measured == cache["analytic_bytes"][ctx]
+        assert saved["decode_tokens_per_s"][ctx]["original"] > 0
+    assert not cache["warnings"]
+    acc = saved["lm_eval"]["tiny_cloze"]["acc"]
+    assert 0.0 <= acc["original"] <= 1.0 and 0.0 <= acc["converted"] <= 1.0
+    assert acc["delta"] == pytest.approx(acc["converted"] - acc["original"])
+    for name in ("report.md", "cache_bytes.png", "decode_speed.png", "scores.png"):
+        assert (tmp_path / "report" / name).stat().st_size > 0
+    assert "tiny_cloze" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_eval_cli_rejects_missing_converted(capsys, converted_pair, tmp_path, text_file):
+    src, _ = converted_pair
+    code = main(["eval", "--original", str(src), "--converted", str(tmp_path / "nope"), "--output-dir",
+                 str(tmp_path / "r"), "--data", str(text_file), "--device", "cpu"])
+    assert code == 2 and "is not a directory written by transmla-tool convert" in capsys.readouterr().err
+
+
+def test_sweep_is_monotone_where_it_must_be(trained_model, text_file, tmp_path):
+    """A trained MQA model with rope_dim = head_dim loses nothing to RoPE decoupling, and the closed-form
+    latent (values only) is a nested PCA basis: perplexity falls as the latent grows and reaches the
+    original's at full rank (16)."""
+    src = trained_model("llama", kv_heads=1)
+    code = main(["sweep", "--model", str(src), "--latent-dims", "2,4,8,16", "--rope-dim", "16",
+                 "--data", str(text_file), "--calib-samples", "8", "--calib-seq-len", "64", "--seq-len", "64",
+                 "--max-tokens", "1280", "--output-dir", str(tmp_path / "sweep"), "--device", "cpu",
+                 "--dtype", "float32", "--method", "closed-form", "--no-progress"])
+    assert code == 0
+    result = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    ppl = [p["perplexity"] for p in result["points"]]
+    assert all(b <= a * 1.01 for a, b in zip(ppl, ppl[1:])), ppl
+    assert ppl[0] > 1.05 * ppl[-1], ppl
+    assert ppl[-1] == pytest.approx(result["original"]["perplexity"], rel=1e-4)
+    assert result["eval_windows_skipped"] == 9  # calibration windows never scored
+    assert [p["measured_values_per_token_per_layer"] for p in result["points"]] == [18, 20, 24, 32]
+    assert (tmp_path / "sweep" / "sweep.png").exists()
+    assert not (tmp_path / "sweep" / "checkpoints").exists()

@@ -1,0 +1,134 @@
+"""Pure math: norm linearization, RoPE layouts, the rotary-key plan and the factorization."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from transmla_tool.export import natural_attention, stock_attention
+from transmla_tool.ops.decouple import fold_pools, plan_rope
+from transmla_tool.ops.factorize import factorize
+from transmla_tool.ops.linalg import affine_moment
+from transmla_tool.ops.linear_norm import (
+    input_norm_bound,
+    linearization_error,
+    linearizing_scale,
+    mean_square_bound,
+)
+from transmla_tool.ops.mla import GQAWeights, gqa_attention, mla_attention
+from transmla_tool.ops.rope import apply_interleaved, apply_rotate_half, expected_rotation, rotation_cos_sin
+
+
+def test_linearized_norm_is_identity_in_fp32():
+    """Stock DeepseekV3RMSNorm fed alpha * c with weight w returns c to < 1e-4 (here < 1e-6), for the
+    worst input the bound allows and for ordinary ones."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    torch.manual_seed(0)
+    hidden, rank, eps = 64, 24, 1e-6
+    latent = torch.randn(rank, hidden, dtype=torch.float64) * 3
+    ln_weight = torch.rand(hidden, dtype=torch.float64) * 2
+    x_sq = input_norm_bound(ln_weight, hidden)
+    alpha, w = linearizing_scale(mean_square_bound(latent, None, x_sq), eps)
+    assert w == 2.0 ** round(math.log2(w))  # exactly representable in bf16
+    norm = DeepseekV3RMSNorm(rank, eps=eps)
+    norm.weight.data.fill_(w)
+    # ordinary inputs: RMSNorm outputs times the layer norm weight
+    h = torch.randn(256, hidden, dtype=torch.float64)
+    x = h / h.pow(2).mean(-1, keepdim=True).sqrt() * ln_weight
+    # the worst input: all energy on the top right-singular vector, at the norm bound
+    _, _, vh = torch.linalg.svd(latent)
+    x = torch.cat([x, (vh[0] * math.sqrt(x_sq))[None]])
+    c = x @ latent.T
+    out = norm((alpha * c).float()).double()
+    err = ((out - c).norm(dim=-1) / c.norm(dim=-1)).max()
+    assert err < 1e-6  # fp32 rounding dominates; the linearization itself is below 1e-7
+    assert linearization_error(c.pow(2).mean(-1), alpha, eps).max() <= 1.01e-7
+
+
+def test_rope_layouts_agree():
+    """Interleaved rotation of the permuted vector equals rotate_half rotation, permuted."""
+    dim = 8
+    inv = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    cos, sin = rotation_cos_sin(inv, torch.arange(5))
+    x = torch.randn(5, dim, dtype=torch.float64)
+    perm = torch.stack([torch.arange(dim // 2), torch.arange(dim // 2) + dim // 2], 1).reshape(-1)
+    assert torch.allclose(apply_rotate_half(x, cos, sin)[:, perm], apply_interleaved(x[:, perm], cos, sin))
+
+
+def test_expected_rotation():
+    inv = torch.tensor([1.0, 0.0])
+    mass = torch.tensor([[0.0, 1.0, 0.0]])  # all attention at distance 1
+    c, s = expected_rotation(inv, mass)
+    assert torch.allclose(c, torch.tensor([[math.cos(1.0), 1.0]], dtype=torch.float64))
+    assert torch.allclose(s, torch.tensor([[math.sin(1.0), 0.0]], dtype=torch.float64))
+
+
+def test_fold_pools():
+    assert fold_pools(8, 8) == [([0], [0]), ([1], [1]), ([2], [2]), ([3], [3])]
+    assert fold_pools(8, 4) == [([0, 1], [0]), ([2, 3], [1])]
+    assert fold_pools(8, 8, pool_size=2) == [([0, 1], [0, 1]), ([2, 3], [2, 3])]
+    with pytest.raises(ValueError):
+        fold_pools(8, 6)
+
+
+def _random_layer(heads=4, kv_heads=2, dim=8, hidden=32, bias=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+    return GQAWeights(
+        q=rnd(heads * dim, hidden, scale=hidden**-0.5), k=rnd(kv_heads * dim, hidden, scale=hidden**-0.5),
+        v=rnd(kv_heads * dim, hidden, scale=hidden**-0.5), o=rnd(hidden, heads * dim, scale=(heads * dim) ** -0.5),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+        q_bias=rnd(heads * dim) if bias else None, k_bias=rnd(kv_heads * dim) if bias else None,
+        v_bias=rnd(kv_heads * dim) if bias else None, o_bias=rnd(hidden) if bias else None,
+    )
+
+
+def _moment(x):
+    flat = x.reshape(-1, x.shape[-1])
+    aug = torch.cat([flat, torch.ones(flat.shape[0], 1, dtype=flat.dtype)], 1)
+    return aug.T @ aug / flat.shape[0]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_single_candidate_rotary_key_is_exact(bias):
+    """MQA with rope_dim = head_dim: the rotary key is the source key, the latent holds the values,
+    so the natural MLA layer equals the source layer, biases included (exact rewrites)."""
+    layer = _random_layer(kv_heads=1, bias=bias)
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    inv = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    cos, sin = rotation_cos_sin(inv, torch.arange(12))
+    plan = plan_rope(affine_moment(layer.k, layer.k_bias, _moment(x)), fold_pools(8, 8), 1, 8)
+    mla, _ = factorize(layer, _moment(x), plan, rope_dim=8, latent_dim=8)
+    assert torch.allclose(mla_attention(x, mla, cos, sin), gqa_attention(x, layer, cos, sin), atol=1e-10)
+
+
+def test_stock_round_trip_with_biases():
+    """natural -> stock tensors -> natural is the identity (q_lora path and biases included)."""
+    from transformers import DeepseekV3Config
+
+    layer = _random_layer(bias=True)
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    plan = plan_rope(affine_moment(layer.k, layer.k_bias, _moment(x)), fold_pools(8, 4), 2, 8)
+    mla, _ = factorize(layer, _moment(x), plan, rope_dim=4, latent_dim=10)
+    config = DeepseekV3Config(kv_lora_rank=10, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                              num_attention_heads=4, q_lora_rank=33, hidden_size=32)
+    tensors = stock_attention(mla, torch.ones(32), q_lora=True, attention_bias=True)
+    back = natural_attention(tensors, config)
+    for name in ("q", "q_bias", "kv_a", "kv_a_bias", "kv_b", "o", "o_bias"):
+        assert torch.allclose(getattr(back, name), getattr(mla, name), rtol=1e-9, atol=1e-12), name
+
+
+def test_weighted_plan_prefers_queried_heads():
+    """With two KV heads of equal key energy, score weighting puts the head whose queries are larger
+    in the rotary key; plain key-energy PCA cannot tell them apart."""
+    dim, kv = 2, 2
+    moment = torch.eye(kv * dim, dtype=torch.float64)
+    weight = torch.tensor([[1.0], [10.0]], dtype=torch.float64)
+    plan = plan_rope(moment, fold_pools(dim, dim), kv, dim, candidate_weight=weight)
+    assert plan.b[0, 1, 0].abs() > 0.99 * plan.b[0].abs().sum()

@@ -1,0 +1,206 @@
+"""Command line: parse arguments, call one function per command. Errors a user can fix print one line
+and exit with status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import UserError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="hub id or local directory (safetensors), or GGUF directory")
+    p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
+    p.add_argument("--revision", default=None, help="hub revision")
+
+
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_convert_args(p: argparse.ArgumentParser, calib_default: str | None = "default") -> None:
+    from .convert import DEFAULT_CALIB_DATA
+
+    p.add_argument("--rope-dim", type=int, default=64, help="qk_rope_head_dim (64: what MLA kernels want)")
+    p.add_argument("--calib-data", default=DEFAULT_CALIB_DATA if calib_default else None,
+                   help="local .txt/.jsonl/.parquet or datasets spec NAME[:CONFIG][@SPLIT]"
+                   + ("" if calib_default else "; default: the start of --data (scored windows come after it)"))
+    p.add_argument("--calib-samples", type=int, default=64, help="calibration windows")
+    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--text-field", default="text", help="text column of .jsonl/.parquet/datasets data")
+    p.add_argument("--method", default="default", help="conversion preset: default or transmla")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
+                   help="override one method setting, e.g. --set refine_steps=100 (repeatable)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass during calibration")
+    p.add_argument("--ignore-sliding-window", action="store_true",
+                   help="convert a sliding-window model anyway (outputs differ beyond the window)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="transmla-tool", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert a GQA/MHA checkpoint into a stock DeepSeek-V3 MLA checkpoint")
+    _add_model_args(p)
+    p.add_argument("--latent-dim", type=int, required=True, help="kv_lora_rank")
+    p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--max-shard-size", default="5GB")
+    _add_convert_args(p)
+    _add_runtime_args(p)
+
+    p = sub.add_parser("eval", help="perplexity, measured KV cache, decode speed and lm-eval: original vs converted")
+    p.add_argument("--original", required=True, help="hub id or directory of the source model")
+    p.add_argument("--gguf-file", default=None, help="GGUF file name inside --original")
+    p.add_argument("--converted", required=True, help="directory written by transmla-tool convert")
+    p.add_argument("--output-dir", required=True, help="where report.json, report.md and plots go")
+    _add_eval_args(p)
+    _add_runtime_args(p)
+
+    p = sub.add_parser("sweep", help="convert at several latent dims (one calibration pass) and evaluate each")
+    _add_model_args(p)
+    p.add_argument("--latent-dims", required=True, help="comma-separated, e.g. 64,128,192,320")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep every converted checkpoint")
+    _add_convert_args(p, calib_default=None)
+    _add_eval_args(p, with_bench=False)
+    _add_runtime_args(p)
+
+    p = sub.add_parser("demo", help="convert the bundled SmolLM2-135M and compare it with the original")
+    p.add_argument("--output-dir", default="demo_out")
+    p.add_argument("--latent-dim", type=int, default=128)
+    p.add_argument("--rope-dim", type=int, default=64)
+    p.add_argument("--calib-samples", type=int, default=32)
+    p.add_argument("--method", default="default")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--max-tokens", type=int, default=16384, help="held-out tokens scored for perplexity")
+    p.add_argument("--contexts", default="1024,4096,16384")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _add_eval_args(p: argparse.ArgumentParser, with_bench: bool = True) -> None:
+    p.add_argument("--data", default="wikitext:wikitext-2-raw-v1@test",
+                   help="evaluation text: local .txt/.jsonl/.parquet or datasets spec NAME[:CONFIG][@SPLIT]")
+    p.add_argument("--seq-len", type=int, default=512, help="perplexity window length")
+    p.add_argument("--max-tokens", type=int, default=32768, help="bound on perplexity tokens")
+    p.add_argument("--eval-batch-size", type=int, default=4)
+    if not with_bench:
+        return
+    p.add_argument("--skip-windows", type=int, default=0, help="windows at the start of --data not scored")
+    p.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths for cache/speed")
+    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens decoded after each context")
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill step")
+    p.add_argument("--tasks", default="", help="comma-separated lm-eval tasks")
+    p.add_argument("--limit", type=float, default=None, help="lm-eval examples per task (or fraction)")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--include-path", default=None, help="directory of local lm-eval task YAMLs")
+
+
+def cmd_convert(args) -> int:
+    from .convert import ConvertSettings, convert
+    from .methods import resolve_method
+
+    settings = ConvertSettings(
+        model=args.model, gguf_file=args.gguf_file, revision=args.revision, output=args.output,
+        latent_dim=args.latent_dim, rope_dim=args.rope_dim, calib_data=args.calib_data,
+        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, text_field=args.text_field,
+        dtype=args.dtype, device=args.device, seed=args.seed, overwrite=args.overwrite,
+        method=resolve_method(args.method, args.overrides), method_name=args.method,
+        ignore_sliding_window=args.ignore_sliding_window, max_shard_size=args.max_shard_size,
+        batch_size=args.batch_size, progress=not args.no_progress,
+    )
+    summary = convert(settings)
+    cache = summary["cache_values_per_token_per_layer"]
+    print(f"wrote {args.output}: cache {cache['original']} -> {cache['converted']} values per token per layer, "
+          f"{summary['wall_time_s']} s, peak RSS {summary['peak_rss_mb']} MB")
+    for note in summary["servable"]["notes"]:
+        print(f"note: {note}")
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from exc
+    if not values:
+        raise UserError(f"{flag} is empty")
+    return values
+
+
+def cmd_eval(args) -> int:
+    from .evaluate.run import EvalSettings, run_eval
+
+    settings = EvalSettings(
+        original=args.original, gguf_file=args.gguf_file, converted=args.converted, output_dir=args.output_dir,
+        data=args.data, seq_len=args.seq_len, max_tokens=args.max_tokens, skip_windows=args.skip_windows,
+        batch_size=args.eval_batch_size, contexts=_int_list(args.contexts, "--contexts"),
+        new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk,
+        tasks=[t for t in args.tasks.split(",") if t], limit=args.limit, num_fewshot=args.num_fewshot,
+        include_path=args.include_path, dtype=args.dtype, device=args.device, seed=args.seed,
+    )
+    report = run_eval(settings)
+    from .evaluate.report import markdown
+
+    print(markdown(report))
+    print(f"report written to {args.output_dir}/report.json, report.md and plots")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from .sweep import SweepSettings, run_sweep
+
+    settings = SweepSettings(
+        model=args.model, gguf_file=args.gguf_file, revision=args.revision,
+        latent_dims=_int_list(args.latent_dims, "--latent-dims"), output_dir=args.output_dir,
+        overwrite=args.overwrite, keep_checkpoints=args.keep_checkpoints, rope_dim=args.rope_dim,
+        data=args.data, calib_data=args.calib_data, calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len, text_field=args.text_field, method=args.method,
+        overrides=args.overrides, seq_len=args.seq_len, max_tokens=args.max_tokens,
+        eval_batch_size=args.eval_batch_size, batch_size=args.batch_size, dtype=args.dtype, device=args.device,
+        seed=args.seed, ignore_sliding_window=args.ignore_sliding_window, progress=not args.no_progress,
+    )
+    result = run_sweep(settings)
+    from .sweep import markdown
+
+    print(markdown(result))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import DemoSettings, run_demo
+
+    run_demo(DemoSettings(
+        output_dir=args.output_dir, latent_dim=args.latent_dim, rope_dim=args.rope_dim,
+        calib_samples=args.calib_samples, method=args.method, overrides=args.overrides,
+        max_tokens=args.max_tokens, contexts=_int_list(args.contexts, "--contexts"), device=args.device,
+        progress=not args.no_progress,
+    ))
+    return 0
+
+
+COMMANDS = {"convert": cmd_convert, "eval": cmd_eval, "sweep": cmd_sweep, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"transmla-tool {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"transmla-tool {args.command}: interrupted; no output was left behind", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,397 @@
+"""Orchestration: load -> calibrate -> factorize (-> refine) -> emit -> verify, one layer at a time."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import __version__
+from .arch import AttentionGeometry, check_supported
+from .arch.families import EMBED, FINAL_NORM, LAYER_PASSTHROUGH, LAYER_PREFIX, LM_HEAD
+from .calibrate import SourceLayers, chunks, run_layer_with_attention, run_source_layer
+from .data import token_windows
+from .errors import UserError
+from .export import attention_prefix, deepseek_config, planned_state_dict, stock_attention
+from .io.source import open_source
+from .io.staging import check_target, staged_directory
+from .io.writer import DEFAULT_MAX_SHARD, ShardedWriter
+from .methods import PRESETS, Method
+from .model_card import write_model_card
+from .ops.decouple import fold_pools, plan_rope
+from .ops.factorize import factorize
+from .ops.linalg import affine_moment
+from .ops.mla import mla_attention
+from .ops.refine import refine
+from .ops.rope import expected_rotation
+from .ops.stats import LayerStats, attention_distance_mass
+
+DEFAULT_CALIB_DATA = "wikitext:wikitext-2-raw-v1@train"
+DISTANCE_WINDOWS = 8  # windows used for the attention-distance statistics (one at a time)
+
+
+@dataclass
+class ConvertSettings:
+    model: str
+    output: str
+    latent_dim: int
+    rope_dim: int = 64
+    gguf_file: str | None = None
+    revision: str | None = None
+    calib_data: str = DEFAULT_CALIB_DATA
+    calib_samples: int = 64
+    calib_seq_len: int = 512
+    text_field: str = "text"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    overwrite: bool = False
+    method: Method = field(default_factory=lambda: PRESETS["default"])
+    method_name: str = "default"
+    ignore_sliding_window: bool = False
+    max_shard_size: str = DEFAULT_MAX_SHARD
+    batch_size: int = 8
+    progress: bool = True
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name} requested but no CUDA device is available; use --device cpu")
+    if name not in ("cpu",) and not name.startswith("cuda"):
+        raise UserError(f"--device must be cpu, cuda, cuda:N or auto, got {name}")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, src_config) -> torch.dtype:
+    if name in ("float16", "fp16", "half"):
+        raise UserError(
+            "--dtype float16 cannot represent the linearized latent RMSNorm (its tiny activations fall "
+            "into fp16's subnormal range); use --dtype bfloat16 or float32"
+        )
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+    if name in table:
+        return table[name]
+    if name != "auto":
+        raise UserError(f"--dtype must be auto, bfloat16 or float32, got {name}")
+    src = getattr(src_config, "dtype", None) or getattr(src_config, "torch_dtype", None)
+    if isinstance(src, str):
+        src = getattr(torch, src, None)
+    if src == torch.float16:
+        return torch.bfloat16  # fp16 cannot hold the linearized norm; bf16 keeps the memory footprint
+    return src if src in (torch.bfloat16, torch.float32) else torch.float32
+
+
+def validate(settings: ConvertSettings, geometry: AttentionGeometry) -> None:
+    dr, d = settings.rope_dim, geometry.head_dim
+    if dr <= 0 or dr % 2:
+        raise UserError(f"--rope-dim {dr} must be a positive even number (RoPE rotates pairs)")
+    if dr > d:
+        raise UserError(f"--rope-dim {dr} is larger than the source head_dim {d}; use at most {d}")
+    if d % dr:
+        raise UserError(f"--rope-dim {dr} must divide head_dim {d} (e.g. {d} or {d // 2})")
+    if (dr // 2) % settings.method.rope_pool:
+        raise UserError(f"rope_pool {settings.method.rope_pool} must divide the {dr // 2} rotary slots")
+    max_rank = geometry.max_latent_dim(dr)
+    if settings.latent_dim <= 0:
+        raise UserError(f"--latent-dim must be positive, got {settings.latent_dim}")
+    if settings.latent_dim > max_rank:
+        raise UserError(
+            f"--latent-dim {settings.latent_dim} exceeds the rank a layer can have "
+            f"({max_rank} = min(2*{geometry.num_kv_heads}*{d} - {dr}, hidden {geometry.hidden_size})); "
+            f"use at most {max_rank}"
+        )
+    if settings.calib_samples < 1 or settings.calib_seq_len < 2:
+        raise UserError("--calib-samples must be >= 1 and --calib-seq-len >= 2")
+    if settings.batch_size < 1:
+        raise UserError("--batch-size must be >= 1")
+
+
+@dataclass
+class _Target:
+    """One output being produced: its latent dim, staging dir, writer and (optionally) its own
+    converted residual stream."""
+
+    latent_dim: int
+    output: str
+    config: object
+    staging: Path | None = None
+    writer: ShardedWriter | None = None
+    stream: torch.Tensor | None = None
+    reports: list = field(default_factory=list)
+
+
+def convert(settings: ConvertSettings, on_layer=None) -> dict:
+    """Convert `settings.model` and write the stock DeepSeek-V3 checkpoint to `settings.output`.
+
+    on_layer(i, mla_weights) is called with each layer's natural-form weights (tests).
+    """
+    return convert_many(settings, {settings.latent_dim: settings.output}, on_layer=on_layer)[settings.latent_dim]
+
+
+def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=None) -> dict[int, dict]:
+    """Convert once per latent dim in `outputs` ({latent_dim: output dir}) sharing one pass of
+    calibration through the source model. Returns the summary of each output."""
+    start = time.time()
+    torch.manual_seed(settings.seed)
+    settings.method.validate()
+    for output in outputs.values():
+        check_target(output, settings.overwrite)
+    source = open_source(settings.model, settings.gguf_file, settings.revision)
+    geometry = check_supported(source.config, ignore_sliding_window=settings.ignore_sliding_window)
+    for latent_dim in outputs:
+        validate(replace(settings, latent_dim=latent_dim), geometry)
+    device = resolve_device(settings.device)
+    out_dtype = resolve_dtype(settings.dtype, source.config)
+    tokenizer = source.load_tokenizer()
+    ids = token_windows(settings.calib_data, tokenizer, settings.calib_seq_len, settings.calib_samples,
+                        settings.text_field)
+    attention_bias = geometry.q_bias or geometry.k_bias or geometry.v_bias or geometry.o_bias
+    targets = [
+        _Target(latent_dim=r, output=out, config=deepseek_config(
+            source.config, geometry, latent_dim=r, rope_dim=settings.rope_dim, q_bias=geometry.q_bias,
+            attention_bias=attention_bias, dtype=out_dtype))
+        for r, out in outputs.items()
+    ]
+    summaries = {}
+    with contextlib.ExitStack() as stack:
+        for t in targets:
+            t.staging = stack.enter_context(staged_directory(t.output, settings.overwrite))
+            t.writer = ShardedWriter(t.staging, planned_state_dict(t.config, out_dtype), settings.max_shard_size)
+        _convert_weights(settings, source, geometry, targets, ids, device, on_layer)
+        generation_config = source.load_generation_config()
+        for t in targets:
+            t.config.save_pretrained(t.staging)
+            tokenizer.save_pretrained(t.staging)
+            generation_config.save_pretrained(t.staging)
+            summary = {
+                "tool": "transmla_tool",
+                "version": __version__,
+                "source": settings.model if not settings.gguf_file else f"{settings.model}/{settings.gguf_file}",
+                "family": geometry.family.name,
+                "settings": _settings_dict(replace(settings, latent_dim=t.latent_dim, output=t.output), ids),
+                "dtype": str(out_dtype).replace("torch.", ""),
+                "cache_values_per_token_per_layer": {
+                    "original": geometry.cache_values_per_token_per_layer,
+                    "converted": t.latent_dim + settings.rope_dim,
+                },
+                "servable": servability(t.config, source.config),
+                "layers": t.reports,
+                "wall_time_s": round(time.time() - start, 1),
+                "peak_rss_mb": peak_rss_mb(),
+            }
+            with open(Path(t.staging) / "conversion.json", "w") as f:
+                json.dump(summary, f, indent=2)
+            write_model_card(Path(t.staging), summary, t.config)
+            summaries[t.latent_dim] = summary
+    return summaries
+
+
+def _settings_dict(settings: ConvertSettings, ids) -> dict:
+    out = {k: v for k, v in asdict(settings).items() if k not in ("method", "progress", "overwrite")}
+    out["method"] = settings.method.as_dict()
+    out["calib_tokens"] = int(ids.numel())
+    return out
+
+
+def _convert_weights(settings, source, geometry, targets, ids, device, on_layer=None) -> None:
+    method = settings.method
+    layers = SourceLayers(source, geometry, device)
+    embed = source.get(EMBED)
+    for t in targets:
+        t.writer.add(EMBED, embed)
+    hidden = embed[ids].to(device)  # (N, L, d) fp32: the calibration windows' residual stream
+    if method.calib_inputs == "converted":
+        for t in targets:
+            t.stream = hidden.clone()
+    del embed
+
+    length = ids.shape[1]
+    cos, sin = (t[0] for t in layers.position_embeddings(length))  # (L, D)
+    target_inv_freq, target_cos, target_sin = _target_rotary(targets[0].config, length, device)
+    _check_slot_frequencies(layers.inv_freq, target_inv_freq, geometry.head_dim // settings.rope_dim)
+    pools = fold_pools(geometry.head_dim, settings.rope_dim, method.rope_pool)
+    log_freqs = (target_inv_freq.log(), layers.inv_freq.log())
+    q_lora = targets[0].config.q_lora_rank is not None
+    refine_windows = min(method.refine_windows, ids.shape[0])
+
+    bar = tqdm(range(geometry.num_layers), desc="converting layers", disable=not settings.progress)
+    for i in bar:
+        layer = layers.layer(i)
+        attn = layers.attention_weights(layer)
+        shared = None
+        for t in targets:
+            inputs = t.stream if t.stream is not None else hidden
+            if t.stream is None and shared is not None:
+                stats, plan, rotation, x_refine, y_refine = shared
+            else:
+                stats = _layer_stats(layer, attn, inputs, cos, sin, settings.batch_size)
+                plan, rotation = _rope_plan(method, attn, stats, geometry, layers.inv_freq, pools, log_freqs)
+                x_refine = y_refine = None
+                if method.refine_steps:
+                    x_refine, y_refine = _refine_data(layer, inputs[:refine_windows], cos, sin,
+                                                      settings.batch_size)
+                if t.stream is None:
+                    shared = (stats, plan, rotation, x_refine, y_refine)
+            mla, fact = factorize(
+                attn.to(torch.float64, "cpu"), stats.x_moment.cpu(), plan, settings.rope_dim, t.latent_dim,
+                nope_rotation=rotation, latent_weighting=method.latent_weighting, kv_balance=method.kv_balance,
+            )
+            report = {"layer": i, "kept_energy": round(fact.kept_energy, 6), "kv_balance": round(fact.kv_balance, 6)}
+            if method.refine_steps:
+                holdout = max(1, refine_windows // 8) if refine_windows > 1 else 0
+                mla, ref = refine(mla, x_refine, y_refine, target_cos, target_sin, steps=method.refine_steps,
+                                  lr=method.refine_lr, batch=method.refine_batch, queries=method.refine_queries,
+                                  holdout=holdout, seed=settings.seed + i)
+                report.update(refine_loss_before=round(ref.loss_before, 6), refine_loss_after=round(ref.loss_after, 6),
+                              refine_seconds=round(ref.seconds, 2))
+            tensors = stock_attention(mla, layer.input_layernorm.weight.cpu(), q_lora=q_lora,
+                                      attention_bias=t.config.attention_bias)
+            with torch.no_grad():
+                sample = layer.input_layernorm(inputs[: min(2, inputs.shape[0])])
+            report["stock_vs_reference"] = verify_stock_layer(tensors, mla, t.config, i, sample,
+                                                              target_cos, target_sin)
+            prefix = attention_prefix(i)
+            for name, tensor in tensors.items():
+                t.writer.add(prefix + name, tensor)
+            for name in LAYER_PASSTHROUGH:
+                full = LAYER_PREFIX.format(i=i) + name
+                t.writer.add(full, layer.get_parameter(name))
+            if on_layer is not None:
+                on_layer(i, mla)
+            if t.stream is not None:
+                mla_device = mla.to(torch.float32, device)
+                run_layer_with_attention(layer, lambda x: mla_attention(x, mla_device, target_cos, target_sin),
+                                         t.stream, settings.batch_size)
+            t.reports.append(report)
+            bar.set_postfix(kept=f"{fact.kept_energy:.3f}", **(
+                {"refined": f"{report['refine_loss_before']:.3f}->{report['refine_loss_after']:.3f}"}
+                if method.refine_steps else {}))
+        run_source_layer(layer, hidden, (cos[None], sin[None]), settings.batch_size)
+        del layer, attn, shared
+
+    final_norm = source.get(FINAL_NORM)
+    head = source.get(LM_HEAD) if source.has(LM_HEAD) else source.get(EMBED)  # tied source: untie
+    for t in targets:
+        t.writer.add(FINAL_NORM, final_norm)
+        t.writer.add(LM_HEAD, head)
+        t.writer.close()
+
+
+def _rope_plan(method, attn, stats, geometry, inv_freq, pools, log_freqs):
+    key_moment = affine_moment(attn.k.double().cpu(), _cpu(attn.k_bias), stats.x_moment.cpu())
+    candidate_weight = rotation = None
+    if method.nope_rotation == "expected" or method.rope_weighting == "score":
+        exp_cos, exp_sin = expected_rotation(inv_freq, stats.distance_mass.cpu())  # (H, D/2)
+        if method.nope_rotation == "expected":
+            rotation = (exp_cos, exp_sin)
+        if method.rope_weighting == "score":
+            candidate_weight = _score_weight(attn, stats, geometry, 1.0 - exp_cos**2 - exp_sin**2)
+    plan = plan_rope(key_moment, pools, geometry.num_kv_heads, geometry.head_dim, candidate_weight, *log_freqs)
+    return plan, rotation
+
+
+@torch.no_grad()
+def _refine_data(layer, inputs, cos, sin, batch):
+    """Attention inputs and the source attention block's outputs on them, (N, L, d) each."""
+    xs, ys = [], []
+    for rows in chunks(inputs.shape[0], batch):
+        x = layer.input_layernorm(inputs[rows])
+        xs.append(x)
+        ys.append(layer.self_attn(x, position_embeddings=(cos[None], sin[None]), attention_mask=None)[0])
+    return torch.cat(xs), torch.cat(ys)
+
+
+def _cpu(t):
+    return None if t is None else t.double().cpu()
+
+
+def _layer_stats(layer, attn, inputs, cos, sin, batch) -> LayerStats:
+    stats = LayerStats.empty(attn.q.shape[1], attn.num_heads, inputs.shape[1], device=inputs.device)
+    with torch.no_grad():
+        for rows in chunks(inputs.shape[0], batch):
+            stats.add(layer.input_layernorm(inputs[rows]))
+        # attention maps are L x L per head: a few windows, one at a time, bound their memory
+        for rows in chunks(min(DISTANCE_WINDOWS, inputs.shape[0]), 1):
+            x = layer.input_layernorm(inputs[rows])
+            stats.distance_mass += attention_distance_mass(x, attn, cos, sin).double()
+    return stats.finalize()
+
+
+def _score_weight(attn, stats, geometry, rotation_spread):
+    """(G, D/2): query energy at each frequency, summed over a group's heads, times how much RoPE
+    moves scores at that frequency (1 - |E e^{i w delta}|^2)."""
+    heads, dim, half = geometry.num_heads, geometry.head_dim, geometry.head_dim // 2
+    q_moment = affine_moment(attn.q.double().cpu(), _cpu(attn.q_bias), stats.x_moment.cpu())
+    diag = q_moment.diagonal().view(heads, dim)
+    energy = diag[:, :half] + diag[:, half:]  # (H, D/2)
+    weighted = energy * rotation_spread.clamp_min(0)
+    return weighted.view(geometry.num_kv_heads, geometry.group_size, half).sum(1)
+
+
+def _target_rotary(target_config, length, device):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    rotary = DeepseekV3RotaryEmbedding(target_config).to(device)
+    positions = torch.arange(length, device=device)[None]
+    cos, sin = rotary(torch.zeros(1, device=device), positions)
+    return rotary.inv_freq.detach().to("cpu", torch.float64), cos[0], sin[0]
+
+
+def _check_slot_frequencies(source_inv_freq, target_inv_freq, stride) -> None:
+    """Slot j of the target must turn at source frequency stride*j, or the plan is wrong."""
+    expected = source_inv_freq[::stride][: target_inv_freq.shape[0]]
+    if not torch.allclose(expected, target_inv_freq, rtol=1e-5):
+        raise RuntimeError("target rotary frequencies do not match the source frequencies they should carry")
+
+
+def verify_stock_layer(tensors, mla, target_config, layer_idx, x, cos, sin) -> float:
+    """Relative difference between transformers' stock DeepSeek-V3 attention loaded with our tensors
+    and the reference math of the natural weights, on calibration inputs (fp32)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    config = copy.deepcopy(target_config)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        module = DeepseekV3Attention(config, layer_idx)
+    module.load_state_dict({k: v.to(x.device, torch.float32) for k, v in tensors.items()}, assign=True)
+    with torch.no_grad():
+        stock = module(x, position_embeddings=(cos[None], sin[None]), attention_mask=None)[0]
+        reference = mla_attention(x, mla.to(torch.float32, x.device), cos, sin)
+    return float((stock - reference).norm() / reference.norm().clamp_min(1e-30))
+
+
+def servability(target_config, src_config) -> dict:
+    """What the stock serving engines will and will not do with this checkpoint."""
+    notes = []
+    vllm_ok = True
+    if target_config.attention_bias:
+        vllm_ok = False
+        notes.append(
+            "attention biases (from the source's q/k/v biases) are loaded by transformers but vLLM's and "
+            "SGLang's DeepSeek attention classes have no bias parameters: not servable there as is"
+        )
+    rope_type = target_config.rope_parameters.get("rope_type", "default")
+    if rope_type != "default":
+        vllm_ok = False
+        notes.append(
+            f"rope_type '{rope_type}': vLLM's DeepSeek loader turns every non-default rope type into "
+            "DeepSeek YaRN, which differs from Llama-3 scaling; transformers applies it exactly"
+        )
+    dims = (target_config.kv_lora_rank, target_config.qk_rope_head_dim)
+    if dims != (512, 64):
+        notes.append(f"latent {dims[0]} + rope {dims[1]}: vLLM's fastest MLA kernels want 512 + 64; "
+                     "other sizes use its generic MLA backends")
+    return {"transformers": True, "vllm_sglang_as_is": vllm_ok, "notes": notes}
+
+
+def peak_rss_mb() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)

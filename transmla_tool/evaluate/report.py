@@ -1,0 +1,125 @@
+"""report.json, report.md and PNG plots from an evaluation report dict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(value, digits=2):
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def markdown(report: dict) -> str:
+    ppl, cache = report["perplexity"], report["kv_cache"]
+    vals = cache["values_per_token_per_layer"]
+    lines = [
+        "# transmla-tool evaluation",
+        "",
+        f"- original: `{report['models']['original']['model']}`",
+        f"- converted: `{report['models']['converted']['model']}`",
+        f"- device {report['environment']['device']}, dtype {report['environment']['dtype']}, "
+        f"torch {report['environment']['torch']}, transformers {report['environment']['transformers']}, "
+        f"{report['environment']['wall_time_s']} s",
+        "",
+        f"## Perplexity ({ppl['tokens']} tokens of `{ppl['data']}`, windows of {ppl['seq_len']})",
+        "",
+        "| original | converted | ratio |",
+        "|---|---|---|",
+        f"| {ppl['original']:.3f} | {ppl['converted']:.3f} | {ppl['ratio']:.3f} |",
+        "",
+        "## KV cache",
+        "",
+        f"Values per token per layer: original {vals['original']}, converted {vals['converted']} "
+        f"({1 - vals['converted'] / vals['original']:.0%} saved).",
+        "",
+        "| context | original measured | original analytic | converted measured | converted analytic | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for ctx, measured in cache["measured_bytes"].items():
+        analytic = cache["analytic_bytes"][ctx]
+        lines.append(
+            f"| {ctx} | {_mib(measured['original'])} | {_mib(analytic['original'])} | "
+            f"{_mib(measured['converted'])} | {_mib(analytic['converted'])} | "
+            f"{measured['converted'] / measured['original']:.3f} |"
+        )
+    for warning in cache["warnings"]:
+        lines += ["", f"**WARNING:** {warning}"]
+    lines += [
+        "",
+        "## Decode speed (greedy, tokens/s after the context) and peak memory",
+        "",
+        "| context | original tok/s | converted tok/s | original peak MiB | converted peak MiB |",
+        "|---|---|---|---|---|",
+    ]
+    for ctx, speed in report["decode_tokens_per_s"].items():
+        peak = report["peak_memory_mb"][ctx]
+        lines.append(f"| {ctx} | {_fmt(speed['original'])} | {_fmt(speed['converted'])} | "
+                     f"{_fmt(peak['original'], 0)} | {_fmt(peak['converted'], 0)} |")
+    if "lm_eval" in report:
+        lines += ["", "## lm-eval", "", "| task | metric | original | converted | delta |", "|---|---|---|---|---|"]
+        for task, metrics in report["lm_eval"].items():
+            for metric, v in metrics.items():
+                lines.append(f"| {task} | {metric} | {_fmt(v['original'], 4)} | {_fmt(v['converted'], 4)} | "
+                             f"{_fmt(v['delta'], 4)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict, directory: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    contexts = [int(c) for c in report["kv_cache"]["measured_bytes"]]
+    keys = [str(c) for c in contexts]
+    for name, title, series, ylabel in (
+        ("cache_bytes.png", "KV cache held by transformers",
+         {k: [report["kv_cache"]["measured_bytes"][c][k] / 2**20 for c in keys] for k in ("original", "converted")},
+         "MiB"),
+        ("decode_speed.png", "Greedy decode speed",
+         {k: [report["decode_tokens_per_s"][c][k] for c in keys] for k in ("original", "converted")},
+         "tokens / s"),
+    ):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for label, ys in series.items():
+            ax.plot(contexts, ys, marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(directory / name, dpi=120)
+        plt.close(fig)
+        written.append(name)
+
+    bars = {"perplexity": (report["perplexity"]["original"], report["perplexity"]["converted"])}
+    for task, metrics in report.get("lm_eval", {}).items():
+        for metric, v in metrics.items():
+            bars[f"{task}\n{metric}"] = (v["original"], v["converted"] if v["converted"] is not None else 0.0)
+    fig, axes = plt.subplots(1, len(bars), figsize=(2.6 * len(bars) + 1, 3.5), squeeze=False)
+    for ax, (label, (a, b)) in zip(axes[0], bars.items()):
+        ax.bar(["original", "converted"], [a, b], color=["tab:blue", "tab:orange"])
+        ax.set_title(label, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(directory / "scores.png", dpi=120)
+    plt.close(fig)
+    written.append("scores.png")
+    return written
+
+
+def write_report(report: dict, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    report["plots"] = plots(report, directory)
+    (directory / "report.json").write_text(json.dumps(report, indent=2))
+    (directory / "report.md").write_text(markdown(report))

@@ -1,0 +1,201 @@
+"""`transmla-tool eval`: the original and the converted model under one protocol.
+
+Both models get the same tokenizer (the original's), the same token windows, dtype and device; they
+are loaded one after the other so only one is in memory at a time.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..data import token_windows
+from ..errors import UserError
+from .cache import cached_values_per_token_per_layer, measure_context
+from .lmeval import run_lm_eval
+from .perplexity import perplexity
+from .report import write_report
+
+
+@dataclass
+class EvalSettings:
+    original: str
+    converted: str
+    output_dir: str
+    gguf_file: str | None = None
+    data: str = "wikitext:wikitext-2-raw-v1@test"
+    text_field: str = "text"
+    seq_len: int = 512
+    max_tokens: int = 32768
+    skip_windows: int = 0  # windows at the start of --data not scored (e.g. used for calibration)
+    batch_size: int = 4
+    contexts: list[int] = field(default_factory=lambda: [1024, 4096])
+    new_tokens: int = 16
+    prefill_chunk: int = 1024
+    tasks: list[str] = field(default_factory=list)
+    limit: float | None = None
+    num_fewshot: int | None = None
+    include_path: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    progress: bool = True
+
+
+def resolve_eval_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    if name not in table:
+        raise UserError(f"--dtype must be auto, bfloat16 or float32 for eval, got {name}")
+    return table[name]
+
+
+def load_model(path: str, gguf_file: str | None, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype}
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    if device.type == "cuda":
+        kwargs["device_map"] = str(device)  # accelerate places the weights directly on the GPU
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as exc:
+        raise UserError(f"cannot load model {path}: {exc}") from exc
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str, gguf_file: str | None):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except OSError as exc:
+        raise UserError(f"cannot load the tokenizer of {path}: {exc}") from exc
+
+
+def context_ids(windows: torch.Tensor, length: int) -> torch.Tensor:
+    """(1, length) real-text ids for a long context, cycling the evaluation windows as needed."""
+    flat = windows.reshape(-1)
+    reps = -(-length // flat.numel())
+    return flat.repeat(reps)[:length][None]
+
+
+def evaluate_model(name: str, path: str, gguf_file, settings: EvalSettings, windows, tokenizer, dtype,
+                   device) -> dict:
+    model = load_model(path, gguf_file, dtype, device)
+    config = model.config
+    result = {
+        "model": path if not gguf_file else f"{path}/{gguf_file}",
+        "model_type": config.model_type,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "values_per_token_per_layer": cached_values_per_token_per_layer(config),
+        "num_layers": config.num_hidden_layers,
+    }
+    result["perplexity"] = perplexity(model, windows, settings.batch_size, settings.progress,
+                                      desc=f"perplexity ({name})")
+    result["contexts"] = {}
+    for length in tqdm(settings.contexts, desc=f"cache + decode ({name})", disable=not settings.progress):
+        result["contexts"][str(length)] = measure_context(model, context_ids(windows, length),
+                                                          settings.new_tokens, settings.prefill_chunk)
+    if settings.tasks:
+        result["lm_eval"] = run_lm_eval(model, tokenizer, settings.tasks, limit=settings.limit,
+                                        num_fewshot=settings.num_fewshot, include_path=settings.include_path,
+                                        batch_size=settings.batch_size, seed=settings.seed)
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def run_eval(settings: EvalSettings) -> dict:
+    from ..convert import resolve_device
+
+    start = time.time()
+    torch.manual_seed(settings.seed)
+    device = resolve_device(settings.device)
+    dtype = resolve_eval_dtype(settings.dtype, device)
+    if not Path(settings.converted).is_dir():
+        raise UserError(f"--converted {settings.converted} is not a directory written by transmla-tool convert")
+    if any(c < 1 for c in settings.contexts):
+        raise UserError("--contexts must be positive token counts")
+    tokenizer = load_tokenizer(settings.original, settings.gguf_file)
+    max_windows = settings.skip_windows + max(1, settings.max_tokens // settings.seq_len)
+    windows = token_windows(settings.data, tokenizer, settings.seq_len, max_windows, settings.text_field,
+                            min_windows=settings.skip_windows + 1)[settings.skip_windows :]
+    results = {
+        "original": evaluate_model("original", settings.original, settings.gguf_file, settings, windows,
+                                   tokenizer, dtype, device),
+        "converted": evaluate_model("converted", settings.converted, None, settings, windows, tokenizer,
+                                    dtype, device),
+    }
+    report = build_report(results, settings, device, dtype, time.time() - start)
+    write_report(report, Path(settings.output_dir))
+    return report
+
+
+def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: float) -> dict:
+    import transformers
+
+    orig, conv = results["original"], results["converted"]
+    both = ("original", "converted")
+    report = {
+        "models": {k: {f: results[k][f] for f in ("model", "model_type", "parameters", "num_layers")} for k in both},
+        "perplexity": {
+            "original": orig["perplexity"]["perplexity"],
+            "converted": conv["perplexity"]["perplexity"],
+            "ratio": conv["perplexity"]["perplexity"] / orig["perplexity"]["perplexity"],
+            "tokens": orig["perplexity"]["tokens"],
+            "seq_len": settings.seq_len,
+            "data": settings.data,
+        },
+        "kv_cache": {
+            "values_per_token_per_layer": {k: results[k]["values_per_token_per_layer"] for k in both},
+            "measured_bytes": {}, "analytic_bytes": {}, "measured_values_per_token_per_layer": {},
+            "warnings": [],
+        },
+        "decode_tokens_per_s": {},
+        "peak_memory_mb": {},
+    }
+    cache = report["kv_cache"]
+    for ctx in orig["contexts"]:
+        for key in ("measured_bytes", "analytic_bytes", "measured_values_per_token_per_layer"):
+            cache[key][ctx] = {k: results[k]["contexts"][ctx][key] for k in both}
+        report["decode_tokens_per_s"][ctx] = {k: results[k]["contexts"][ctx]["decode_tokens_per_s"] for k in both}
+        report["peak_memory_mb"][ctx] = {k: results[k]["contexts"][ctx]["peak_memory_mb"] for k in both}
+        for k in both:
+            measured, analytic = cache["measured_bytes"][ctx][k], cache["analytic_bytes"][ctx][k]
+            if measured != analytic:
+                cache["warnings"].append(
+                    f"{k} model at context {ctx}: the transformers cache holds {measured} bytes but the "
+                    f"architecture needs {analytic}; the installed transformers does not store the "
+                    "compressed cache this format allows, and the measured number is what it really holds"
+                )
+    if "lm_eval" in orig:
+        report["lm_eval"] = {
+            task: {
+                metric: {"original": value, "converted": conv["lm_eval"][task].get(metric),
+                         "delta": conv["lm_eval"][task].get(metric, float("nan")) - value}
+                for metric, value in metrics.items()
+            }
+            for task, metrics in orig["lm_eval"].items()
+        }
+    report["settings"] = {k: v for k, v in asdict(settings).items() if k != "progress"}
+    report["environment"] = {
+        "device": str(device), "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
+        "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+        "wall_time_s": round(seconds, 1),
+    }
+    return report
+
+
+def save_json(obj, path: Path) -> None:
+    path.write_text(json.dumps(obj, indent=2))

@@ -1,0 +1,173 @@
+"""The stock DeepSeek-V3 checkpoint: config, tensor names and the natural <-> stock weight maps.
+
+The output must load with `AutoModelForCausalLM.from_pretrained(out)` and no custom code, and with
+the stock DeepSeek loaders of vLLM and SGLang. Facts this relies on (transformers'
+modeling_deepseek_v3.py and vLLM's deepseek_v2.py):
+- q_lora_rank null -> plain q_proj without bias; kv_a_proj_with_mqa -> [latent | rotary key];
+- kv_a_layernorm / q_a_layernorm use eps 1e-6 in transformers whatever the config says, while vLLM
+  uses config.rms_norm_eps: we write rms_norm_eps = 1e-6 so both agree;
+- MoE only for layers >= first_k_dense_replace: set to num_hidden_layers so every MLP stays dense;
+- num_key_value_heads must equal num_attention_heads (keys are expanded per head from the latent);
+- rope_interleave true: rotary pairs are adjacent dims (vLLM always assumes that layout).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .arch import AttentionGeometry
+from .ops.linear_norm import input_norm_bound, linearizing_scale, mean_square_bound
+from .ops.mla import MLAWeights
+
+STOCK_NORM_EPS = 1e-6  # what transformers' DeepseekV3RMSNorm uses for the latent norms
+
+
+def deepseek_config(src_config, geometry: AttentionGeometry, *, latent_dim: int, rope_dim: int,
+                    q_bias: bool, attention_bias: bool, dtype: torch.dtype):
+    from transformers import DeepseekV3Config
+
+    rope = dict(src_config.rope_parameters)
+    # Keep the source theta: slot j of the rotary key then turns at source frequency (D/rope_dim)*j.
+    rope = {k: v for k, v in rope.items() if v is not None}
+    layers = geometry.num_layers
+    config = DeepseekV3Config(
+        vocab_size=src_config.vocab_size,
+        hidden_size=geometry.hidden_size,
+        intermediate_size=src_config.intermediate_size,
+        moe_intermediate_size=src_config.intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=geometry.num_heads,
+        num_key_value_heads=geometry.num_heads,
+        n_shared_experts=1,
+        n_routed_experts=1,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=layers,
+        kv_lora_rank=latent_dim,
+        # A query bias needs the q_lora path: q_a_proj is the only query projection with a bias.
+        q_lora_rank=geometry.hidden_size + 1 if q_bias else None,
+        qk_rope_head_dim=rope_dim,
+        qk_nope_head_dim=geometry.head_dim,
+        v_head_dim=geometry.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=src_config.max_position_embeddings,
+        initializer_range=getattr(src_config, "initializer_range", 0.02),
+        rms_norm_eps=STOCK_NORM_EPS,
+        bos_token_id=src_config.bos_token_id,
+        eos_token_id=src_config.eos_token_id,
+        pad_token_id=getattr(src_config, "pad_token_id", None),
+        tie_word_embeddings=False,
+        rope_parameters=rope,
+        rope_interleave=True,
+        attention_bias=attention_bias,
+        attention_dropout=0.0,
+        num_nextn_predict_layers=0,
+    )
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.dtype = dtype
+    return config
+
+
+def attention_prefix(i: int) -> str:
+    return f"model.layers.{i}.self_attn."
+
+
+def stock_attention(mla: MLAWeights, input_norm_weight: torch.Tensor, *, q_lora: bool,
+                    attention_bias: bool, eps: float = STOCK_NORM_EPS) -> dict[str, torch.Tensor]:
+    """Stock DeepSeek-V3 attention tensors (names relative to `self_attn.`), fp64."""
+    mla = mla.to(torch.float64)
+    hidden = mla.q.shape[1]
+    r = mla.latent_dim
+    x_sq = input_norm_bound(input_norm_weight, hidden)
+    out: dict[str, torch.Tensor] = {}
+
+    latent, rope = mla.kv_a[:r], mla.kv_a[r:]
+    latent_bias = rope_bias = None
+    if mla.kv_a_bias is not None:
+        latent_bias, rope_bias = mla.kv_a_bias[:r], mla.kv_a_bias[r:]
+    alpha, norm_w = linearizing_scale(mean_square_bound(latent, latent_bias, x_sq), eps)
+    out["kv_a_proj_with_mqa.weight"] = torch.cat([alpha * latent, rope])
+    out["kv_a_layernorm.weight"] = torch.full((r,), norm_w, dtype=torch.float64)
+    out["kv_b_proj.weight"] = mla.kv_b
+    if attention_bias:
+        lb = latent_bias if latent_bias is not None else torch.zeros(r, dtype=torch.float64)
+        rb = rope_bias if rope_bias is not None else torch.zeros(mla.rope_dim, dtype=torch.float64)
+        out["kv_a_proj_with_mqa.bias"] = torch.cat([alpha * lb, rb])
+    elif mla.kv_a_bias is not None and mla.kv_a_bias.abs().max() > 0:
+        raise ValueError("kv_a bias present but the config has attention_bias=False")
+
+    if q_lora:
+        # q_a outputs alpha * [x; 1]: the norm passes it through, q_b = [W_q | b_q] applies both.
+        eye = torch.eye(hidden + 1, hidden, dtype=torch.float64)
+        const = torch.zeros(hidden + 1, dtype=torch.float64)
+        const[-1] = 1.0
+        q_alpha, q_norm_w = linearizing_scale((x_sq + 1.0) / (hidden + 1), eps)
+        q_bias = mla.q_bias if mla.q_bias is not None else torch.zeros(mla.q.shape[0], dtype=torch.float64)
+        out["q_a_proj.weight"] = q_alpha * eye
+        out["q_a_proj.bias"] = q_alpha * const
+        out["q_a_layernorm.weight"] = torch.full((hidden + 1,), q_norm_w, dtype=torch.float64)
+        out["q_b_proj.weight"] = torch.cat([mla.q, q_bias[:, None]], dim=1)
+    else:
+        if mla.q_bias is not None and mla.q_bias.abs().max() > 0:
+            raise ValueError("query bias present but the config has no q_lora path")
+        out["q_proj.weight"] = mla.q
+
+    out["o_proj.weight"] = mla.o
+    if attention_bias:
+        out["o_proj.bias"] = mla.o_bias if mla.o_bias is not None else torch.zeros(hidden, dtype=torch.float64)
+    elif mla.o_bias is not None and mla.o_bias.abs().max() > 0:
+        raise ValueError("o_proj bias present but the config has attention_bias=False")
+    return out
+
+
+def natural_attention(tensors: dict[str, torch.Tensor], config) -> MLAWeights:
+    """Inverse of stock_attention for checkpoints it wrote (their norms are in the linear regime)."""
+    t = {k: v.to(torch.float64) for k, v in tensors.items()}
+    r, dr = config.kv_lora_rank, config.qk_rope_head_dim
+    root = math.sqrt(STOCK_NORM_EPS)
+    kv_a = t["kv_a_proj_with_mqa.weight"]
+    scale = t["kv_a_layernorm.weight"] / root  # per latent channel: w / sqrt(eps)
+    kv_a = torch.cat([kv_a[:r] * scale[:, None], kv_a[r:]])
+    kv_a_bias = t.get("kv_a_proj_with_mqa.bias")
+    if kv_a_bias is not None:
+        kv_a_bias = torch.cat([kv_a_bias[:r] * scale, kv_a_bias[r:]])
+    q_bias = None
+    if config.q_lora_rank is not None:
+        q_scale = t["q_a_layernorm.weight"] / root
+        q_a = t["q_a_proj.weight"] * q_scale[:, None]
+        q_a_bias = t["q_a_proj.bias"] * q_scale
+        q = t["q_b_proj.weight"] @ q_a
+        q_bias = t["q_b_proj.weight"] @ q_a_bias
+    else:
+        q = t["q_proj.weight"]
+    return MLAWeights(
+        q=q,
+        kv_a=kv_a,
+        kv_b=t["kv_b_proj.weight"],
+        o=t["o_proj.weight"],
+        num_heads=config.num_attention_heads,
+        latent_dim=r,
+        rope_dim=dr,
+        nope_dim=config.qk_nope_head_dim,
+        v_dim=config.v_head_dim,
+        q_bias=q_bias,
+        kv_a_bias=kv_a_bias,
+        o_bias=t.get("o_proj.bias"),
+    )
+
+
+def planned_state_dict(config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Names and shapes of every tensor of the output checkpoint, in the order we produce them."""
+    from transformers import DeepseekV3ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    planned = {name: torch.empty(t.shape, dtype=dtype, device="meta") for name, t in model.state_dict().items()}
+    # Production order: embeddings, layer by layer, then the final norm and head.
+    order = ["model.embed_tokens.weight"]
+    order += [n for n in planned if n.startswith("model.layers.")]
+    order += [n for n in planned if n not in order]
+    return {n: planned[n] for n in order}

@@ -1,0 +1,101 @@
+"""Conversion methods: every quality-relevant choice as a named switch, and the presets built from them.
+
+`transmla` re-implements the published TransMLA recipe from its description (key-energy PCA per
+frequency, freqfold, K/V norm balancing, plain joint PCA); `default` is ours. Each field can be
+overridden on the command line (`--set name=value`) so ablations need no code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class Method:
+    # Which component of each rotary slot keeps RoPE: "key" = most key energy (TransMLA);
+    # "score" = most query-weighted score energy, weighted by how much RoPE moves it.
+    rope_weighting: str = "key"
+    # Rotary slots pooled per PCA (TransMLA's freqfold); 1 = one slot per pool.
+    rope_pool: int = 1
+    # What replaces RoPE on the RoPE-free components: "none" (identity) or "expected" (the mean
+    # rotation over the calibration attention distances, folded into the query).
+    nope_rotation: str = "none"
+    # Joint latent PCA weighting: "plain" (activation energy) or "attention" (keys by the queries
+    # that read them, values by o_proj).
+    latent_weighting: str = "attention"
+    # Key/value balance in the joint PCA: "norm" (equal energy) or "output" (score errors in output units).
+    kv_balance: str = "norm"
+    # Layer-local refinement towards the source attention output (0 = closed form only): Adam steps,
+    # learning rate relative to each tensor's RMS, windows per step, query positions per window
+    # (0 = all), and how many calibration windows it may use.
+    refine_steps: int = 100
+    refine_lr: float = 4e-3
+    refine_batch: int = 4
+    refine_queries: int = 128
+    refine_windows: int = 64
+    # Inputs each layer is calibrated on: "source" (source model's hidden states) or "converted"
+    # (the converted model's own hidden states, so errors do not accumulate across layers).
+    calib_inputs: str = "source"
+
+    def with_overrides(self, pairs: list[str]) -> "Method":
+        changes = {}
+        types = {f.name: f.type for f in fields(self)}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in types:
+                raise UserError(f"--set {pair}: expected name=value with name in {', '.join(types)}")
+            kind = type(getattr(self, key))
+            try:
+                changes[key] = kind(value)
+            except ValueError as exc:
+                raise UserError(f"--set {pair}: {value!r} is not a valid {kind.__name__}") from exc
+        method = replace(self, **changes)
+        method.validate()
+        return method
+
+    def validate(self) -> None:
+        choices = {
+            "rope_weighting": ("key", "score"),
+            "nope_rotation": ("none", "expected"),
+            "latent_weighting": ("plain", "attention"),
+            "kv_balance": ("norm", "output"),
+            "calib_inputs": ("source", "converted"),
+        }
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise UserError(f"method setting {key}={getattr(self, key)!r} must be one of {allowed}")
+        if self.kv_balance == "output" and self.latent_weighting != "attention":
+            raise UserError("kv_balance=output needs latent_weighting=attention")
+        if min(self.refine_steps, self.refine_queries) < 0 or min(self.rope_pool, self.refine_batch,
+                                                                    self.refine_windows) < 1:
+            raise UserError("refine_steps/refine_queries must be >= 0; rope_pool, refine_batch and "
+                            "refine_windows >= 1")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS = {
+    "default": Method(),
+    "transmla": Method(
+        rope_weighting="key",
+        rope_pool=2,
+        nope_rotation="none",
+        latent_weighting="plain",
+        kv_balance="norm",
+        refine_steps=0,
+        calib_inputs="source",
+    ),
+    # our closed form alone, for ablations and quick conversions
+    "closed-form": Method(refine_steps=0),
+}
+
+
+def resolve_method(name: str, overrides: list[str] | None = None) -> Method:
+    if name not in PRESETS:
+        raise UserError(f"unknown method '{name}'; choose one of {', '.join(PRESETS)}")
+    method = PRESETS[name]
+    return method.with_overrides(overrides or []) if overrides else method

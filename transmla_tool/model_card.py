@@ -1,0 +1,73 @@
+"""The README.md model card written next to a converted checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+
+def write_model_card(directory: Path, summary: dict, config, extra_sections: list[str] | None = None) -> None:
+    settings = summary["settings"]
+    cache = summary["cache_values_per_token_per_layer"]
+    saved = 1 - cache["converted"] / cache["original"]
+    front = {
+        "library_name": "transformers",
+        "base_model": summary["source"],
+        "tags": ["deepseek_v3", "mla", "transmla_tool"],
+    }
+    kept = [layer["kept_energy"] for layer in summary.get("layers", [])]
+    verify = [layer["stock_vs_reference"] for layer in summary.get("layers", [])]
+    lines = [
+        "---",
+        yaml.safe_dump(front, sort_keys=False).strip(),
+        "---",
+        "",
+        f"# {Path(summary['source']).name} as multi-head latent attention (DeepSeek-V3 format)",
+        "",
+        f"Converted from `{summary['source']}` ({summary['family']} family) by transmla_tool "
+        f"{summary['version']}. This is a stock `DeepseekV3ForCausalLM` checkpoint: it loads with "
+        "`AutoModelForCausalLM.from_pretrained(path)` and no `trust_remote_code`.",
+        "",
+        "## KV cache per token per layer",
+        "",
+        "| | values | |",
+        "|---|---|---|",
+        f"| original (2 x {config.num_attention_heads}-head GQA K/V) | {cache['original']} | |",
+        f"| converted (latent {config.kv_lora_rank} + rotary key {config.qk_rope_head_dim}) | "
+        f"{cache['converted']} | {saved:.0%} saved |",
+        "",
+        "## Conversion settings",
+        "",
+        "| setting | value |",
+        "|---|---|",
+    ]
+    for key in ("latent_dim", "rope_dim", "calib_data", "calib_samples", "calib_seq_len", "calib_tokens",
+                "seed", "method_name"):
+        lines.append(f"| {key} | `{settings.get(key)}` |")
+    for key, value in settings["method"].items():
+        lines.append(f"| method.{key} | `{value}` |")
+    lines += [f"| output dtype | `{summary['dtype']}` |", ""]
+    if kept:
+        lines += [
+            "## Per-layer checks",
+            "",
+            f"- latent energy kept (weighted): min {min(kept):.4f}, mean {sum(kept) / len(kept):.4f}",
+            f"- stock transformers layer vs the tool's reference math: max relative difference {max(verify):.2e}",
+            "",
+        ]
+    serv = summary["servable"]
+    lines += ["## Serving", ""]
+    lines.append(
+        "- vLLM / SGLang stock DeepSeek loaders: "
+        + ("compatible as is." if serv["vllm_sglang_as_is"] else "**not exactly servable as is** (see below).")
+    )
+    lines += [f"- {note}" for note in serv["notes"]]
+    lines += [
+        "- The latent RMSNorm (`kv_a_layernorm`) is linearized: its input is scaled so the norm acts as an "
+        "exact identity in fp32 and bf16; do not cast this checkpoint to fp16.",
+        "",
+    ]
+    for section in extra_sections or []:
+        lines += [section, ""]
+    (directory / "README.md").write_text("\n".join(lines))

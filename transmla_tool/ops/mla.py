@@ -1,0 +1,135 @@
+"""Weights of one attention layer before and after conversion, and reference forwards for both.
+
+`MLAWeights` is the *natural* parametrization of a converted layer: the latent is used as computed
+(no RMSNorm) and the query has an optional bias. export.py turns it into stock DeepSeek-V3 tensors
+(linearized kv_a_layernorm, q_lora path for a query bias); these forwards are the math the stock
+model must reproduce.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+
+from .rope import apply_interleaved, apply_rotate_half
+
+
+@dataclass
+class GQAWeights:
+    """One source attention layer. Shapes: q (H*D, d), k/v (G*D, d), o (d, H*D)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+    def to(self, dtype: torch.dtype, device=None) -> "GQAWeights":
+        return _cast(self, dtype, device)
+
+
+@dataclass
+class MLAWeights:
+    """One converted layer in natural form.
+
+    q (H*(dn+dr), d) already carries the softmax-scale correction; kv_a (r+dr, d) holds the latent
+    rows then the interleaved rotary-key rows; kv_b (H*(dn+dv), r); o (d, H*dv).
+    """
+
+    q: torch.Tensor
+    kv_a: torch.Tensor
+    kv_b: torch.Tensor
+    o: torch.Tensor
+    num_heads: int
+    latent_dim: int
+    rope_dim: int
+    nope_dim: int
+    v_dim: int
+    q_bias: torch.Tensor | None = None
+    kv_a_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+    @property
+    def softmax_scale(self) -> float:
+        return (self.nope_dim + self.rope_dim) ** -0.5
+
+    def to(self, dtype: torch.dtype, device=None) -> "MLAWeights":
+        return _cast(self, dtype, device)
+
+
+def _cast(weights, dtype, device):
+    changes = {
+        f.name: getattr(weights, f.name).to(dtype=dtype, device=device)
+        for f in fields(weights)
+        if isinstance(getattr(weights, f.name), torch.Tensor)
+    }
+    return replace(weights, **changes)
+
+
+def _linear(x, weight, bias):
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def gqa_attention(x, w: GQAWeights, cos, sin, scale: float | None = None):
+    """Source attention on x (B, L, d) with rotate_half cos/sin (L, D); causal. Returns (B, L, d)."""
+    bsz, length, _ = x.shape
+    heads, kv_heads, dim = w.num_heads, w.num_kv_heads, w.head_dim
+    q = _linear(x, w.q, w.q_bias).view(bsz, length, heads, dim).transpose(1, 2)  # (B, H, L, D)
+    k = _linear(x, w.k, w.k_bias).view(bsz, length, kv_heads, dim).transpose(1, 2)  # (B, G, L, D)
+    v = _linear(x, w.v, w.v_bias).view(bsz, length, kv_heads, dim).transpose(1, 2)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    q, k = apply_rotate_half(q, cos, sin), apply_rotate_half(k, cos, sin)
+    rep = heads // kv_heads
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, L, D)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale or dim**-0.5)
+    return _linear(out.transpose(1, 2).reshape(bsz, length, heads * dim), w.o, w.o_bias)
+
+
+def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | None = None):
+    """Converted attention on x (B, L, d); cos/sin (L, dr) of the target rotary embedding.
+
+    query_positions: optional sorted (P,) positions; only those queries are computed (against every
+    key they may see), which makes layer refinement much cheaper. Returns (B, L or P, d).
+    """
+    bsz, length, _ = x.shape
+    heads, dn, dr, dv, r = w.num_heads, w.nope_dim, w.rope_dim, w.v_dim, w.latent_dim
+    xq = x if query_positions is None else x[:, query_positions]
+    n_q = xq.shape[1]
+    q = _linear(xq, w.q, w.q_bias).view(bsz, n_q, heads, dn + dr).transpose(1, 2)  # (B, H, P, dn+dr)
+    q_nope, q_rope = q.split([dn, dr], dim=-1)
+    ckv = _linear(x, w.kv_a, w.kv_a_bias)  # (B, L, r + dr)
+    latent, k_rope = ckv.split([r, dr], dim=-1)
+    kv = F.linear(latent, w.kv_b.to(x.dtype)).view(bsz, length, heads, dn + dv).transpose(1, 2)
+    k_nope, v = kv.split([dn, dv], dim=-1)  # (B, H, L, dn), (B, H, L, dv)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if query_positions is None:
+        q_rope = apply_interleaved(q_rope, cos, sin)
+        mask, causal = None, True
+    else:
+        q_rope = apply_interleaved(q_rope, cos[query_positions], sin[query_positions])
+        mask = torch.arange(length, device=x.device)[None, :] <= query_positions[:, None]  # (P, L)
+        causal = False
+    k_rope = apply_interleaved(k_rope[:, None], cos, sin).expand(bsz, heads, length, dr)
+    query = torch.cat([q_nope, q_rope], dim=-1)
+    key = torch.cat([k_nope, k_rope], dim=-1)
+    out = F.scaled_dot_product_attention(query, key, v, attn_mask=mask, is_causal=causal, scale=w.softmax_scale)
+    return _linear(out.transpose(1, 2).reshape(bsz, n_q, heads * dv), w.o, w.o_bias)
+
+
+def head_blocks(matrix: torch.Tensor, heads: int) -> torch.Tensor:
+    """(heads*n, m) -> (heads, n, m)."""
+    return matrix.reshape(heads, -1, matrix.shape[-1])
+
+
+def softmax_fold(head_dim: int, rope_dim: int, nope_dim: int) -> float:
+    """Factor folded into the query so DeepSeek's (dn+dr)^-1/2 softmax scale equals the source D^-1/2."""
+    return math.sqrt((nope_dim + rope_dim) / head_dim)

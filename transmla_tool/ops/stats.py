@@ -1,0 +1,60 @@
+"""Calibration statistics of one attention layer, accumulated chunk by chunk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .mla import GQAWeights, _linear
+from .rope import apply_rotate_half
+
+
+@dataclass
+class LayerStats:
+    """What the closed-form conversion of one layer needs from calibration data."""
+
+    x_moment: torch.Tensor  # (d+1, d+1) fp64: E[[x;1][x;1]^T] of the attention input
+    distance_mass: torch.Tensor  # (H, L) fp64: attention probability mass at each query-key distance
+    tokens: int = 0
+
+    @classmethod
+    def empty(cls, hidden: int, heads: int, seq_len: int, device=None) -> "LayerStats":
+        return cls(
+            x_moment=torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64, device=device),
+            distance_mass=torch.zeros(heads, seq_len, dtype=torch.float64, device=device),
+        )
+
+    def add(self, x: torch.Tensor) -> None:
+        """Accumulate the input moment of x: (B, L, d) attention inputs of one chunk."""
+        flat = x.reshape(-1, x.shape[-1])
+        aug = torch.cat([flat, flat.new_ones(flat.shape[0], 1)], dim=1)
+        # fp32 products per chunk, fp64 accumulation across chunks
+        self.x_moment += (aug.T.float() @ aug.float()).double()
+        self.tokens += flat.shape[0]
+
+    def finalize(self) -> "LayerStats":
+        return LayerStats(self.x_moment / max(self.tokens, 1), self.distance_mass, self.tokens)
+
+
+def attention_probs(x: torch.Tensor, attn: GQAWeights, cos, sin) -> torch.Tensor:
+    """Causal softmax probabilities (B, H, L, L) of the source attention on x (B, L, d)."""
+    bsz, length, _ = x.shape
+    heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q = _linear(x, attn.q, attn.q_bias).view(bsz, length, heads, dim).transpose(1, 2)
+    k = _linear(x, attn.k, attn.k_bias).view(bsz, length, kv_heads, dim).transpose(1, 2)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    q, k = apply_rotate_half(q, cos, sin), apply_rotate_half(k, cos, sin)
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * dim**-0.5  # (B, H, L, L)
+    mask = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
+    return scores.masked_fill(mask, float("-inf")).softmax(-1)
+
+
+def attention_distance_mass(x: torch.Tensor, attn: GQAWeights, cos, sin) -> torch.Tensor:
+    """(H, L): summed attention probability at distance delta = query position - key position."""
+    probs = attention_probs(x, attn, cos, sin)
+    length = probs.shape[-1]
+    return torch.stack(
+        [probs.diagonal(offset=-delta, dim1=-2, dim2=-1).sum(dim=(0, 2)) for delta in range(length)], dim=1
+    )

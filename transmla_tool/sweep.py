@@ -1,0 +1,168 @@
+"""`transmla-tool sweep`: perplexity against cache size, to pick a latent dim.
+
+Calibrates once (one pass through the source model produces every latent dim), then scores each
+converted checkpoint and the original under the same perplexity protocol.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .convert import ConvertSettings, convert_many, resolve_device
+from .data import token_windows
+from .errors import UserError
+from .evaluate.cache import cache_tensors_bytes, cached_values_per_token_per_layer, prefill
+from .evaluate.run import context_ids, load_model, load_tokenizer, resolve_eval_dtype
+from .evaluate.perplexity import perplexity
+from .io.staging import check_target
+from .methods import resolve_method
+
+
+@dataclass
+class SweepSettings:
+    model: str
+    latent_dims: list[int]
+    output_dir: str
+    data: str
+    gguf_file: str | None = None
+    revision: str | None = None
+    overwrite: bool = False
+    keep_checkpoints: bool = False
+    rope_dim: int = 64
+    calib_data: str | None = None
+    calib_samples: int = 64
+    calib_seq_len: int = 512
+    text_field: str = "text"
+    method: str = "default"
+    overrides: tuple = ()
+    seq_len: int = 512
+    max_tokens: int = 32768
+    eval_batch_size: int = 4
+    batch_size: int = 8
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    ignore_sliding_window: bool = False
+    progress: bool = True
+
+
+def held_out_skip(settings: SweepSettings) -> int:
+    """Evaluation windows to skip so scored text never overlaps the calibration text when both come
+    from the same source (conservative: assumes every window loses one token to BOS)."""
+    if settings.calib_data not in (None, settings.data):
+        return 0
+    return math.ceil(settings.calib_samples * settings.calib_seq_len / (settings.seq_len - 1))
+
+
+def run_sweep(settings: SweepSettings) -> dict:
+    start = time.time()
+    if len(set(settings.latent_dims)) != len(settings.latent_dims):
+        raise UserError("--latent-dims has duplicates")
+    out = check_target(settings.output_dir, settings.overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoints = out / "checkpoints"
+    outputs = {r: str(checkpoints / f"latent{r}") for r in sorted(settings.latent_dims)}
+    convert_settings = ConvertSettings(
+        model=settings.model, gguf_file=settings.gguf_file, revision=settings.revision, output="",
+        latent_dim=max(outputs), rope_dim=settings.rope_dim, calib_data=settings.calib_data or settings.data,
+        calib_samples=settings.calib_samples, calib_seq_len=settings.calib_seq_len,
+        text_field=settings.text_field, dtype=settings.dtype, device=settings.device, seed=settings.seed,
+        overwrite=True, method=resolve_method(settings.method, list(settings.overrides)),
+        method_name=settings.method, ignore_sliding_window=settings.ignore_sliding_window,
+        batch_size=settings.batch_size, progress=settings.progress,
+    )
+    summaries = convert_many(convert_settings, outputs)
+
+    device = resolve_device(settings.device)
+    dtype = resolve_eval_dtype(settings.dtype, device)
+    tokenizer = load_tokenizer(settings.model, settings.gguf_file)
+    skip = held_out_skip(settings)
+    windows = token_windows(settings.data, tokenizer, settings.seq_len,
+                            skip + max(1, settings.max_tokens // settings.seq_len), settings.text_field,
+                            min_windows=skip + 1)[skip:]
+    points = []
+    original = _score(settings.model, settings.gguf_file, windows, dtype, device, settings, "original")
+    for r, path in outputs.items():
+        scored = _score(path, None, windows, dtype, device, settings, f"latent {r}")
+        scored.update(latent_dim=r, conversion_seconds=summaries[r]["wall_time_s"])
+        points.append(scored)
+    result = {
+        "original": original,
+        "points": points,
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
+        "eval_windows_skipped": skip,
+        "eval_tokens": int(windows[:, 1:].numel()),
+        "wall_time_s": round(time.time() - start, 1),
+    }
+    (out / "sweep.json").write_text(json.dumps(result, indent=2))
+    (out / "sweep.md").write_text(markdown(result))
+    plot(result, out / "sweep.png")
+    if not settings.keep_checkpoints:
+        shutil.rmtree(checkpoints, ignore_errors=True)
+    return result
+
+
+def _score(path, gguf_file, windows, dtype, device, settings, name) -> dict:
+    model = load_model(path, gguf_file, dtype, device)
+    ppl = perplexity(model, windows, settings.eval_batch_size, settings.progress, desc=f"perplexity ({name})")
+    cache, _ = prefill(model, context_ids(windows, 256).to(device), 256)
+    measured = cache_tensors_bytes(cache) / (model.config.num_hidden_layers * 256 * model.dtype.itemsize)
+    point = {
+        "model": path if not gguf_file else f"{path}/{gguf_file}",
+        "perplexity": ppl["perplexity"],
+        "values_per_token_per_layer": cached_values_per_token_per_layer(model.config),
+        "measured_values_per_token_per_layer": measured,
+    }
+    del model, cache
+    gc.collect()
+    return point
+
+
+def markdown(result: dict) -> str:
+    orig = result["original"]
+    lines = [
+        f"# Perplexity vs KV cache ({result['eval_tokens']} held-out tokens)",
+        "",
+        "| latent | cache values/token/layer | cache fraction | perplexity | ratio to original |",
+        "|---|---|---|---|---|",
+        f"| original | {orig['values_per_token_per_layer']} | 1.000 | {orig['perplexity']:.3f} | 1.000 |",
+    ]
+    for p in result["points"]:
+        lines.append(
+            f"| {p['latent_dim']} | {p['values_per_token_per_layer']} | "
+            f"{p['values_per_token_per_layer'] / orig['values_per_token_per_layer']:.3f} | "
+            f"{p['perplexity']:.3f} | {p['perplexity'] / orig['perplexity']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    orig = result["original"]
+    xs = [p["values_per_token_per_layer"] for p in result["points"]]
+    ys = [p["perplexity"] for p in result["points"]]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    ax.plot(xs, ys, marker="o", label="converted (training-free)")
+    ax.axhline(orig["perplexity"], color="gray", linestyle="--", label="original")
+    ax.axvline(orig["values_per_token_per_layer"], color="gray", linestyle=":", linewidth=0.8)
+    for p in result["points"]:
+        ax.annotate(str(p["latent_dim"]), (p["values_per_token_per_layer"], p["perplexity"]), fontsize=8,
+                    textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("KV cache values per token per layer")
+    ax.set_ylabel("perplexity")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
