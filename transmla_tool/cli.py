@@ -72,6 +72,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_args(p, with_bench=False)
     _add_runtime_args(p)
 
+    p = sub.add_parser("heal", help="short distillation fine-tune of a converted model (accelerate-ready)")
+    p.add_argument("--model", required=True, help="directory written by transmla-tool convert")
+    p.add_argument("--output", required=True, help="where the healed stock checkpoint goes")
+    p.add_argument("--data", required=True, help="training text: local .txt/.jsonl/.parquet or datasets spec")
+    p.add_argument("--teacher", default=None, help="the source model (hub id or directory) to distill from")
+    p.add_argument("--teacher-gguf-file", default=None)
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--max-tokens", type=int, default=2_000_000, help="training tokens (all processes)")
+    p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --max-tokens)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=4, help="windows per process per micro-step")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup-steps", type=int, default=None)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--kd-weight", type=float, default=1.0, help="weight of KL(teacher || student)")
+    p.add_argument("--lm-weight", type=float, default=0.0, help="weight of the next-token cross-entropy")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--train", default="attention", choices=["attention", "all"])
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--mixed-precision", default="auto", help="auto (bf16 on GPU), no, bf16, fp16")
+    p.add_argument("--save-every", type=int, default=0, help="steps between resumable checkpoints")
+    p.add_argument("--eval-data", default=None, help="held-out text for perplexity during training")
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-windows", type=int, default=16)
+    p.add_argument("--checkpoint-dir", default=None, help="default: <output>.ckpt")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+
     p = sub.add_parser("demo", help="convert the bundled SmolLM2-135M and compare it with the original")
     p.add_argument("--output-dir", default="demo_out")
     p.add_argument("--latent-dim", type=int, default=128)
@@ -175,6 +206,25 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_heal(args) -> int:
+    from .heal.train import HealSettings, heal
+
+    summary = heal(HealSettings(
+        model=args.model, output=args.output, data=args.data, teacher=args.teacher,
+        teacher_gguf_file=args.teacher_gguf_file, text_field=args.text_field, max_tokens=args.max_tokens,
+        max_steps=args.max_steps, seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, kd_weight=args.kd_weight,
+        lm_weight=args.lm_weight, temperature=args.temperature, train=args.train,
+        gradient_checkpointing=args.gradient_checkpointing, mixed_precision=args.mixed_precision,
+        save_every=args.save_every, eval_data=args.eval_data, eval_every=args.eval_every,
+        eval_windows=args.eval_windows, checkpoint_dir=args.checkpoint_dir, resume=args.resume, seed=args.seed,
+        overwrite=args.overwrite, progress=not args.no_progress,
+    ))
+    print(f"healed {summary['steps']} steps, {summary['tokens']} tokens at {summary['tokens_per_s']:.0f} tokens/s "
+          f"-> {args.output}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import DemoSettings, run_demo
 
@@ -187,7 +237,7 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"convert": cmd_convert, "eval": cmd_eval, "sweep": cmd_sweep, "demo": cmd_demo}
+COMMANDS = {"convert": cmd_convert, "eval": cmd_eval, "sweep": cmd_sweep, "heal": cmd_heal, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,7 +95,7 @@ def gqa_attention(x, w: GQAWeights, cos, sin, scale: float | None = None):
 
 
 def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | None = None):
-    """Converted attention on x (B, L, d); cos/sin (L, dr) of the target rotary embedding.
+    """Converted attention on x (B, L, d); cos/sin (L, dr) or (B, L, dr) of the target rotary embedding.
 
     query_positions: optional sorted (P,) positions; only those queries are computed (against every
     key they may see), which makes layer refinement much cheaper. Returns (B, L or P, d).
@@ -111,11 +111,13 @@ def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | No
     kv = F.linear(latent, w.kv_b.to(x.dtype)).view(bsz, length, heads, dn + dv).transpose(1, 2)
     k_nope, v = kv.split([dn, dv], dim=-1)  # (B, H, L, dn), (B, H, L, dv)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if cos.dim() == 3:  # per-batch tables: broadcast over heads
+        cos, sin = cos[:, None], sin[:, None]
     if query_positions is None:
         q_rope = apply_interleaved(q_rope, cos, sin)
         mask, causal = None, True
     else:
-        q_rope = apply_interleaved(q_rope, cos[query_positions], sin[query_positions])
+        q_rope = apply_interleaved(q_rope, cos[..., query_positions, :], sin[..., query_positions, :])
         mask = torch.arange(length, device=x.device)[None, :] <= query_positions[:, None]  # (P, L)
         causal = False
     k_rope = apply_interleaved(k_rope[:, None], cos, sin).expand(bsz, heads, length, dr)

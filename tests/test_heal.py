@@ -1,0 +1,115 @@
+"""Healing on tiny trained models: it learns, resumes exactly, exports stock, runs under accelerate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from helpers import rel_err, sample_ids
+from transmla_tool.heal.model import to_natural
+from transmla_tool.heal.train import HealSettings, heal
+from transmla_tool.methods import PRESETS
+
+
+@pytest.fixture(scope="module")
+def teacher_and_student(trained_model, text_file, tmp_path_factory):
+    """A trained tiny GQA teacher and its closed-form conversion at a small latent (clearly damaged)."""
+    from transmla_tool.convert import ConvertSettings, convert
+
+    teacher = trained_model("llama", kv_heads=2)
+    student = tmp_path_factory.mktemp("heal") / "student"
+    convert(ConvertSettings(model=str(teacher), output=str(student), latent_dim=8, rope_dim=8,
+                            calib_data=str(text_file), calib_samples=8, calib_seq_len=64, dtype="float32",
+                            device="cpu", progress=False, method=PRESETS["closed-form"]))
+    return teacher, student
+
+
+def _settings(teacher, student, text_file, out, **kw):
+    values = dict(model=str(student), output=str(out), data=str(text_file), teacher=str(teacher), seq_len=64,
+                  batch_size=4, lr=3e-3, max_steps=12, eval_data=str(text_file), eval_every=6, eval_windows=6,
+                  progress=False, seed=1)
+    values.update(kw)
+    return HealSettings(**values)
+
+
+def _log(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(f"{out}.ckpt") / "log.jsonl").read_text().splitlines()]
+
+
+def test_healing_reduces_loss_and_exports_stock(teacher_and_student, text_file, tmp_path):
+    teacher, student = teacher_and_student
+    out = tmp_path / "healed"
+    steps = []
+    summary = heal(_settings(teacher, student, text_file, out, max_steps=30, eval_every=15),
+                   on_step=lambda s, m: steps.append(m))
+    assert summary["steps"] == 30 and summary["tokens"] == 30 * 4 * 64
+    first, last = sum(m["kd"] for m in steps[:5]) / 5, sum(m["kd"] for m in steps[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    evals = [row["eval_perplexity"] for row in _log(out) if "eval_perplexity" in row]
+    assert evals[-1] < evals[0], evals
+
+    # The export is a stock checkpoint equal to the trained natural-form model.
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and (out / "healing.json").exists()
+    ids = sample_ids(config["vocab_size"])
+    stock = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    natural = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).eval()
+    to_natural(natural)
+    natural.load_state_dict(load_file(Path(f"{out}.ckpt") / "step-30" / "model.safetensors"))
+    with torch.no_grad():
+        assert rel_err(stock(ids).logits, natural(ids, use_cache=False).logits) < 1e-5
+
+
+def test_resume_equals_uninterrupted(teacher_and_student, text_file, tmp_path):
+    teacher, student = teacher_and_student
+    straight = tmp_path / "straight"
+    heal(_settings(teacher, student, text_file, straight, save_every=3))
+
+    resumed = tmp_path / "resumed"
+
+    def crash(step, metrics):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        heal(_settings(teacher, student, text_file, resumed, save_every=3), on_step=crash)
+    assert not resumed.exists()  # nothing that looks finished
+    heal(_settings(teacher, student, text_file, resumed, save_every=3, resume=True))
+    a = load_file(straight / "model.safetensors")
+    b = load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_heal_needs_a_loss(teacher_and_student, text_file, tmp_path, capsys):
+    from transmla_tool.cli import main
+
+    _, student = teacher_and_student
+    code = main(["heal", "--model", str(student), "--output", str(tmp_path / "h"), "--data", str(text_file)])
+    assert code == 2 and "pass --teacher or --lm-weight" in capsys.readouterr().err
+
+
+def test_accelerate_launch_two_cpu_processes(teacher_and_student, text_file, tmp_path):
+    teacher, student = teacher_and_student
+    out = tmp_path / "ddp"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "transmla_tool", "heal",
+           "--model", str(student), "--teacher", str(teacher), "--data", str(text_file), "--output", str(out),
+           "--seq-len", "64", "--batch-size", "2", "--max-steps", "4", "--lr", "3e-3", "--eval-data", str(text_file),
+           "--eval-every", "4", "--eval-windows", "4", "--no-progress"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((out / "healing.json").read_text())
+    assert summary["processes"] == 2 and summary["tokens"] == 4 * 2 * 2 * 64
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.isfinite(model(sample_ids(model.config.vocab_size)).logits).all()

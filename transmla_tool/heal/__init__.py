@@ -1,0 +1,1 @@
+"""Healing: a short distillation fine-tune of a converted model (accelerate)."""

@@ -1,0 +1,306 @@
+"""`transmla-tool heal`: a short distillation fine-tune of a converted model, with accelerate.
+
+Runs as is on one CPU or GPU, and unchanged under `accelerate launch` (DDP, FSDP, DeepSpeed; see
+recipes/accelerate/). The student is trained in natural form (heal/model.py) and exported as a
+stock DeepSeek-V3 checkpoint at the end. Loss: kd_weight * KL(teacher || student) at temperature T
+(times T^2) + lm_weight * next-token cross-entropy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..data import token_windows
+from ..errors import UserError
+from ..io.staging import check_target, staged_directory
+from .data import train_batches
+from .model import is_attention_param, stock_state_dict, to_natural
+
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class HealSettings:
+    model: str  # a directory written by `transmla-tool convert`
+    output: str
+    data: str
+    teacher: str | None = None  # the source model; None trains on the LM loss alone
+    teacher_gguf_file: str | None = None
+    text_field: str = "text"
+    max_tokens: int = 2_000_000
+    max_steps: int | None = None
+    seq_len: int = 512
+    batch_size: int = 4  # per process
+    grad_accum: int = 1
+    lr: float = 1e-4
+    warmup_steps: int | None = None  # default: 5% of the steps, at most 100
+    weight_decay: float = 0.0
+    kd_weight: float = 1.0
+    lm_weight: float = 0.0
+    temperature: float = 1.0
+    train: str = "attention"  # "attention" or "all"
+    gradient_checkpointing: bool = False
+    mixed_precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    save_every: int = 0  # steps between resumable checkpoints (0: only at the end)
+    eval_data: str | None = None
+    eval_every: int = 0
+    eval_windows: int = 16
+    checkpoint_dir: str | None = None  # default: <output>.ckpt
+    resume: bool = False
+    shuffle_buffer: int = 1024
+    seed: int = 0
+    overwrite: bool = False
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.train not in ("attention", "all"):
+            raise UserError(f"--train must be attention or all, got {self.train}")
+        if self.teacher is None and self.lm_weight <= 0:
+            raise UserError("without --teacher the distillation loss is unavailable: pass --teacher or --lm-weight > 0")
+        if self.kd_weight < 0 or self.lm_weight < 0 or self.kd_weight + self.lm_weight <= 0:
+            raise UserError("--kd-weight and --lm-weight must be >= 0 and not both 0")
+        if min(self.seq_len, self.batch_size, self.grad_accum) < 1 or self.temperature <= 0:
+            raise UserError("--seq-len, --batch-size and --grad-accum must be >= 1, --temperature > 0")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise UserError("--mixed-precision must be auto, no, bf16 or fp16")
+        if not (Path(self.model) / "config.json").exists():
+            raise UserError(f"--model {self.model} is not a directory written by transmla-tool convert")
+
+
+def _lr_lambda(total: int, warmup: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def distill_loss(student_logits, teacher_logits, labels, settings: HealSettings):
+    """(total, kd, lm) per token; logits (B, L, V), labels (B, L) next-token targets already shifted."""
+    vocab = student_logits.shape[-1]
+    s = student_logits.float().reshape(-1, vocab)
+    kd = lm = torch.zeros((), device=s.device)
+    if settings.kd_weight > 0 and teacher_logits is not None:
+        t = settings.temperature
+        log_p_student = F.log_softmax(s / t, dim=-1)
+        log_p_teacher = F.log_softmax(teacher_logits.float().reshape(-1, vocab) / t, dim=-1)
+        kd = F.kl_div(log_p_student, log_p_teacher, log_target=True, reduction="batchmean") * t * t
+    if settings.lm_weight > 0:
+        lm = F.cross_entropy(s, labels.reshape(-1))
+    return settings.kd_weight * kd + settings.lm_weight * lm, kd.detach(), lm.detach()
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    found = sorted((p for p in directory.glob("step-*") if (p / STATE_FILE).exists()),
+                   key=lambda p: int(p.name.split("-")[1]))
+    return found[-1] if found else None
+
+
+def heal(settings: HealSettings, on_step=None) -> dict:
+    """Train, checkpoint, export. on_step(step, metrics) is called after every optimizer step."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..evaluate.run import load_model
+
+    settings.validate()
+    cuda = torch.cuda.is_available()
+    precision = settings.mixed_precision if settings.mixed_precision != "auto" else ("bf16" if cuda else "no")
+    # cpu=True on machines without CUDA turns torchrun-launched processes into gloo MULTI_CPU workers, so
+    # `accelerate launch --multi_gpu --num_processes N` (or the DDP recipe) also works on CPUs.
+    accelerator = Accelerator(gradient_accumulation_steps=settings.grad_accum, mixed_precision=precision,
+                              cpu=not cuda)
+    main = accelerator.is_main_process
+    check_target(settings.output, settings.overwrite)
+    ckpt_dir = Path(settings.checkpoint_dir or f"{settings.output}.ckpt")
+    resume_from = latest_checkpoint(ckpt_dir) if settings.resume and ckpt_dir.exists() else None
+    if settings.resume and resume_from is None and main:
+        print(f"--resume: no checkpoint in {ckpt_dir}, starting from step 0")
+    if ckpt_dir.exists() and not settings.resume and list(ckpt_dir.glob("step-*")):
+        if not settings.overwrite:
+            raise UserError(f"{ckpt_dir} holds checkpoints of an earlier run; pass --resume or --overwrite")
+        if main:
+            shutil.rmtree(ckpt_dir)
+    accelerator.wait_for_everyone()
+    set_seed(settings.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.model)
+    student = AutoModelForCausalLM.from_pretrained(settings.model, dtype=torch.float32)
+    config = student.config
+    if config.model_type != "deepseek_v3":
+        raise UserError(f"--model {settings.model} is a {config.model_type} model, not a converted DeepSeek-V3 one")
+    to_natural(student)
+    for name, param in student.named_parameters():
+        param.requires_grad_(settings.train == "all" or is_attention_param(name))
+    if settings.gradient_checkpointing:
+        student.gradient_checkpointing_enable()
+    student.config.use_cache = False
+    trainable = [p for p in student.parameters() if p.requires_grad]
+
+    teacher = None
+    if settings.teacher and settings.kd_weight > 0:
+        teacher_dtype = torch.bfloat16 if cuda else torch.float32
+        teacher = load_model(settings.teacher, settings.teacher_gguf_file, teacher_dtype, torch.device("cpu"))
+        teacher.requires_grad_(False)
+        if teacher.config.vocab_size != config.vocab_size:
+            raise UserError("teacher and student vocabularies differ; pass the model the student was converted from")
+
+    per_step = settings.batch_size * settings.seq_len * settings.grad_accum * accelerator.num_processes
+    total_steps = settings.max_steps or max(1, settings.max_tokens // per_step)
+    warmup = settings.warmup_steps if settings.warmup_steps is not None else min(100, max(1, total_steps // 20))
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total_steps, warmup))
+    student, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
+    if teacher is not None:
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            teacher = teacher.to(accelerator.device)  # DeepSpeed engines wrap one model; the teacher stays whole
+        else:
+            teacher = accelerator.prepare_model(teacher, evaluation_mode=True)  # FSDP shards it too
+        teacher.eval()
+
+    state = {"step": 0, "tokens": 0, "batches": 0}
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        state = json.loads((resume_from / STATE_FILE).read_text())
+        if main:
+            print(f"resumed from {resume_from} (step {state['step']}, {state['tokens']} tokens)")
+
+    batches = train_batches(settings.data, tokenizer, settings.seq_len, settings.batch_size, seed=settings.seed,
+                            process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+                            shuffle_buffer=settings.shuffle_buffer, text_field=settings.text_field,
+                            skip=state["batches"])
+    eval_windows = None
+    if settings.eval_data:
+        eval_windows = token_windows(settings.eval_data, tokenizer, settings.seq_len, settings.eval_windows,
+                                     settings.text_field)
+    log_path = ckpt_dir / "log.jsonl"
+    if main:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if eval_windows is not None and state["step"] == 0:
+            _log(log_path, {"step": 0, "tokens": 0,
+                            "eval_perplexity": evaluate_perplexity(student, eval_windows, accelerator)})
+    elif eval_windows is not None and state["step"] == 0:
+        evaluate_perplexity(student, eval_windows, accelerator)
+
+    student.train()
+    bar = tqdm(total=total_steps, initial=state["step"], desc="healing", disable=not (settings.progress and main),
+               unit="step")
+    start, start_tokens = time.time(), state["tokens"]
+    while state["step"] < total_steps:
+        for _ in range(settings.grad_accum):
+            ids = next(batches).to(accelerator.device)
+            state["batches"] += 1
+            with accelerator.accumulate(student):
+                inputs, labels = ids[:, :-1], ids[:, 1:]
+                logits = student(inputs).logits
+                teacher_logits = None
+                if teacher is not None:
+                    with torch.no_grad():
+                        teacher_logits = teacher(inputs).logits
+                loss, kd, lm = distill_loss(logits, teacher_logits, labels, settings)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(trainable, 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        state["tokens"] += per_step
+        elapsed = time.time() - start
+        metrics = {"step": state["step"], "tokens": state["tokens"], "loss": float(loss.detach()), "kd": float(kd),
+                   "lm": float(lm), "lr": scheduler.get_last_lr()[0],
+                   "tokens_per_s": (state["tokens"] - start_tokens) / max(elapsed, 1e-9)}
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+        if eval_windows is not None and settings.eval_every and (
+                state["step"] % settings.eval_every == 0 or state["step"] == total_steps):
+            metrics["eval_perplexity"] = evaluate_perplexity(student, eval_windows, accelerator)
+            student.train()
+        if main:
+            _log(log_path, metrics)
+        if settings.save_every and state["step"] % settings.save_every == 0 and state["step"] < total_steps:
+            save_checkpoint(accelerator, ckpt_dir / f"step-{state['step']}", state)
+        if on_step is not None:
+            on_step(state["step"], metrics)
+    bar.close()
+
+    accelerator.wait_for_everyone()
+    save_checkpoint(accelerator, ckpt_dir / f"step-{state['step']}", state)  # the natural form, to continue from
+    natural = accelerator.get_state_dict(student)
+    summary = {"settings": asdict(settings), "steps": state["step"], "tokens": state["tokens"],
+               "tokens_per_s": (state["tokens"] - start_tokens) / max(time.time() - start, 1e-9),
+               "processes": accelerator.num_processes, "mixed_precision": precision}
+    if main:
+        export(natural, config, settings, tokenizer, summary)
+    accelerator.wait_for_everyone()
+    return summary
+
+
+@torch.no_grad()
+def evaluate_perplexity(model, windows: torch.Tensor, accelerator) -> float:
+    """Held-out perplexity, windows split over processes and summed."""
+    model.eval()
+    nll = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    count = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    for ids in windows[accelerator.process_index :: accelerator.num_processes]:
+        ids = ids[None].to(accelerator.device)
+        logits = model(ids).logits[:, :-1].float()
+        nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").double()
+        count += ids.shape[1] - 1
+    nll, count = accelerator.reduce(nll, "sum"), accelerator.reduce(count, "sum")
+    return math.exp(float(nll / count))
+
+
+def save_checkpoint(accelerator, path: Path, state: dict) -> None:
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        (path / STATE_FILE).write_text(json.dumps(state))  # written last: marks the checkpoint complete
+    accelerator.wait_for_everyone()
+
+
+def _log(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def export(natural_state: dict, config, settings: HealSettings, tokenizer, summary: dict) -> None:
+    """Write the stock DeepSeek-V3 checkpoint (atomically, like convert)."""
+    from transformers import DeepseekV3ForCausalLM, GenerationConfig
+
+    from ..model_card import write_model_card
+
+    state = stock_state_dict(natural_state, config)
+    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype), torch.float32)
+    with torch.device("meta"):
+        stock = DeepseekV3ForCausalLM(config)
+    stock.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    stock.config.use_cache = True
+    with staged_directory(settings.output, settings.overwrite) as staging:
+        stock.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            GenerationConfig.from_pretrained(settings.model).save_pretrained(staging)
+        except OSError:
+            pass
+        source_summary = Path(settings.model) / "conversion.json"
+        conversion = json.loads(source_summary.read_text()) if source_summary.exists() else None
+        (Path(staging) / "healing.json").write_text(json.dumps(summary, indent=2, default=str))
+        if conversion is not None:
+            (Path(staging) / "conversion.json").write_text(json.dumps(conversion, indent=2))
+            section = (f"## Healing\n\nFine-tuned for {summary['steps']} steps ({summary['tokens']} tokens) on "
+                       f"`{settings.data}` with {'distillation from `' + settings.teacher + '`' if settings.teacher else 'the LM loss'}"
+                       f" (kd_weight {settings.kd_weight}, lm_weight {settings.lm_weight}), training "
+                       f"{settings.train} parameters; see healing.json.")
+            write_model_card(Path(staging), conversion, stock.config, extra_sections=[section])
