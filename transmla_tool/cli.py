@@ -42,7 +42,10 @@ def _add_convert_args(p: argparse.ArgumentParser, calib_default: str | None = "d
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="transmla-tool", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="transmla-tool", description=__doc__,
+        epilog="Every command also takes --config RECIPE.yaml (see recipes/): its section for the command "
+               "supplies defaults, explicit flags win.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("convert", help="convert a GQA/MHA checkpoint into a stock DeepSeek-V3 MLA checkpoint")
@@ -240,7 +243,49 @@ def cmd_demo(args) -> int:
 COMMANDS = {"convert": cmd_convert, "eval": cmd_eval, "sweep": cmd_sweep, "heal": cmd_heal, "demo": cmd_demo}
 
 
+def expand_config(argv: list[str]) -> list[str]:
+    """`--config recipe.yaml`: the YAML section named after the command becomes flags placed before
+    the command line's own, so flags given explicitly win. Keys are option names (`latent_dim` or
+    `latent-dim`); true booleans become bare flags, lists repeat the flag."""
+    if "--config" not in argv:
+        return argv
+    at = argv.index("--config")
+    if at + 1 >= len(argv):
+        raise UserError("--config needs a YAML file")
+    path, rest = argv[at + 1], argv[:at] + argv[at + 2 :]
+    import yaml
+
+    try:
+        with open(path) as f:
+            recipe = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise UserError(f"cannot read --config {path}: {exc}") from exc
+    command = rest[0] if rest else ""
+    section = recipe.get(command)
+    if not isinstance(section, dict):
+        raise UserError(f"{path} has no '{command}' section")
+    flags = []
+    for key, value in section.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            for item in value:
+                flags += [flag, str(item)]
+        else:
+            flags += [flag, str(value)]
+    return [command, *flags, *rest[1:]]
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config(argv)
+    except UserError as exc:
+        print(f"transmla-tool: error: {exc}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
