@@ -1,0 +1,114 @@
+"""Healing benchmark: SmolLM2-135M converted at 192 of 384 cache values, distilled from the original.
+
+    python eval/prepare_heal_data.py                 # once: Debian's linux-doc-6.1 text -> .data/linux-doc.jsonl
+    python eval/heal.py --output-dir runs/heal --max-tokens 2000000
+
+Training text: linux-doc (technical prose). Held-out evaluation: the last 25% of gensim's
+lee_background news articles (the same split as the demo and eval/quality.py), never trained on.
+Writes <output-dir>/heal.md and heal.png (held-out perplexity vs tokens seen, original as a line)
+from the training log; `--resume` continues an interrupted run from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
+from transmla_tool.convert import ConvertSettings, convert
+from transmla_tool.data import token_windows
+from transmla_tool.evaluate.perplexity import perplexity
+from transmla_tool.evaluate.run import load_model, load_tokenizer
+from transmla_tool.heal.train import HealSettings, heal
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", default="runs/heal")
+    parser.add_argument("--data", default=".data/linux-doc.jsonl")
+    parser.add_argument("--latent-dim", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=2_000_000)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--train", default="attention")
+    parser.add_argument("--lm-weight", type=float, default=0.0)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--save-every", type=int, default=25)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args()
+
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if not Path(args.data).exists():
+        raise SystemExit(f"{args.data} is missing: run `python eval/prepare_heal_data.py --output {args.data}`")
+    model_dir, gguf = smollm2_gguf()
+    calib, heldout = split_documents(lee_corpus(), out / "data")
+    converted = out / f"converted-{args.latent_dim + 64}"
+    if not (converted / "config.json").exists():
+        convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
+                                rope_dim=64, calib_data=str(calib), calib_samples=64, dtype="float32",
+                                device="cpu", overwrite=True))
+
+    reference = out / "original.json"
+    if not reference.exists():
+        tokenizer = load_tokenizer(model_dir, gguf)
+        windows = token_windows(str(heldout), tokenizer, args.seq_len, args.eval_windows)
+        model = load_model(model_dir, gguf, torch.float32, torch.device("cpu"))
+        reference.write_text(json.dumps({"perplexity": perplexity(model, windows)["perplexity"]}))
+        del model
+    original = json.loads(reference.read_text())["perplexity"]
+
+    healed = out / f"healed-{args.latent_dim + 64}"
+    summary = heal(HealSettings(
+        model=str(converted), output=str(healed), data=str(args.data), teacher=model_dir, teacher_gguf_file=gguf,
+        max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+        train=args.train, lm_weight=args.lm_weight, eval_data=str(heldout), eval_every=args.eval_every,
+        eval_windows=args.eval_windows, save_every=args.save_every, resume=args.resume, overwrite=not args.resume,
+    ))
+    rows = [json.loads(line) for line in (Path(f"{healed}.ckpt") / "log.jsonl").read_text().splitlines()]
+    write_report(out, rows, original, summary)
+
+
+def write_report(out: Path, rows: list[dict], original: float, summary: dict) -> None:
+    evals = [(r["tokens"], r["eval_perplexity"]) for r in rows if "eval_perplexity" in r]
+    speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    lines = [
+        f"# Healing SmolLM2-135M at 192/384 cache values (original held-out perplexity {original:.3f})",
+        "",
+        f"{summary['tokens']} training tokens, {summary['tokens_per_s']:.0f} tokens/s "
+        f"({summary['processes']} process(es), mixed precision {summary['mixed_precision']}).",
+        "",
+        "| tokens seen | held-out perplexity | ratio to original |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {t} | {p:.3f} | {p / original:.3f} |" for t, p in evals]
+    within = next((t for t, p in evals if p <= 1.05 * original), None)
+    lines += ["", f"First evaluation within 5% of the original: {within if within is not None else 'not reached'}"
+              f" tokens. Mean training speed {sum(speeds) / max(len(speeds), 1):.0f} tokens/s."]
+    (out / "heal.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    ax.plot([t for t, _ in evals], [p for _, p in evals], marker="o", label="converted, healing")
+    ax.axhline(original, color="gray", linestyle="--", label="original")
+    ax.axhline(1.05 * original, color="gray", linestyle=":", label="original + 5%")
+    ax.set_xlabel("training tokens seen")
+    ax.set_ylabel("held-out perplexity")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "heal.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
