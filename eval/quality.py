@@ -32,16 +32,19 @@ from transmla_tool.evaluate.run import load_model, load_tokenizer
 from transmla_tool.methods import resolve_method
 
 DEFAULT_CONFIGS = [
+    # the published recipe, at each freqfold (pool) setting; the best is the fair baseline
     "transmla-pool1=transmla:rope_pool=1",
     "transmla-pool2=transmla:rope_pool=2",
     "transmla-pool4=transmla:rope_pool=4",
+    # our closed form, and ablations of its choices (closed form, so each choice is seen alone)
     "closed-form=closed-form",
+    "closed-form:plain-latent=closed-form:latent_weighting=plain",
+    "closed-form:score-rope=closed-form:rope_weighting=score",
+    "closed-form:expected-rotation=closed-form:nope_rotation=expected",
+    # the default (closed form + layer-local refinement) and refinement variants
     "default=default",
-    "default+converted-inputs=default:calib_inputs=converted",
-    "ablate:plain-latent=default:latent_weighting=plain",
-    "ablate:score-rope=default:rope_weighting=score",
-    "ablate:expected-rotation=default:nope_rotation=expected",
-    "ablate:refine-300=default:refine_steps=300",
+    "default:converted-inputs=default:calib_inputs=converted",
+    "default:refine-300=default:refine_steps=300",
 ]
 
 

@@ -4,7 +4,6 @@ and exit with status 2."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from .errors import UserError

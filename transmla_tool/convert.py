@@ -269,7 +269,7 @@ def _convert_weights(settings, source, geometry, targets, ids, device, on_layer=
                 on_layer(i, mla)
             if t.stream is not None:
                 mla_device = mla.to(torch.float32, device)
-                run_layer_with_attention(layer, lambda x: mla_attention(x, mla_device, target_cos, target_sin),
+                run_layer_with_attention(layer, lambda x, w=mla_device: mla_attention(x, w, target_cos, target_sin),
                                          t.stream, settings.batch_size)
             t.reports.append(report)
             bar.set_postfix(kept=f"{fact.kept_energy:.3f}", **(

@@ -32,7 +32,9 @@ def run_lm_eval(model, tokenizer, tasks: list[str], *, limit: int | float | None
         clean = {}
         for key, value in metrics.items():
             name = key.split(",")[0]
-            if name.endswith("_stderr") or name == "alias" or not isinstance(value, (int, float)):
+            # lm-eval also reports bookkeeping (alias, sample_len): keep scores only
+            if name.endswith("_stderr") or name in ("alias", "sample_len", "samples") or not isinstance(
+                    value, (int, float)):
                 continue
             clean[name] = float(value)
         out[task] = clean

@@ -64,6 +64,8 @@ def markdown(report: dict) -> str:
         peak = report["peak_memory_mb"][ctx]
         lines.append(f"| {ctx} | {_fmt(speed['original'])} | {_fmt(speed['converted'])} | "
                      f"{_fmt(peak['original'], 0)} | {_fmt(peak['converted'], 0)} |")
+    for note in report.get("notes", []):
+        lines += ["", f"Note: {note}"]
     if "lm_eval" in report:
         lines += ["", "## lm-eval", "", "| task | metric | original | converted | delta |", "|---|---|---|---|---|"]
         for task, metrics in report["lm_eval"].items():

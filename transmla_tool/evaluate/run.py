@@ -188,6 +188,14 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
             }
             for task, metrics in orig["lm_eval"].items()
         }
+    report["notes"] = []
+    if conv["model_type"] == "deepseek_v3":
+        report["notes"].append(
+            "Decode speed and peak memory are those of transformers' reference DeepseekV3Attention: it caches "
+            "the latent but re-expands the whole cache into per-head keys and values with kv_b_proj at every "
+            "step, so its cost grows with the context. Serving engines' MLA kernels (vLLM, SGLang, FlashMLA) "
+            "absorb kv_b_proj into the query and output projections and attend over the latent directly."
+        )
     report["settings"] = {k: v for k, v in asdict(settings).items() if k != "progress"}
     report["environment"] = {
         "device": str(device), "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,

@@ -164,10 +164,12 @@ def heal(settings: HealSettings, on_step=None) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total_steps, warmup))
     student, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
     if teacher is not None:
-        if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            teacher = teacher.to(accelerator.device)  # DeepSpeed engines wrap one model; the teacher stays whole
+        if accelerator.distributed_type == DistributedType.FSDP:
+            # shard the teacher like the student, but keep it out of the resumable checkpoints
+            teacher = accelerator.prepare_model(teacher, evaluation_mode=True)
+            accelerator._models.remove(teacher)
         else:
-            teacher = accelerator.prepare_model(teacher, evaluation_mode=True)  # FSDP shards it too
+            teacher = teacher.to(accelerator.device)  # frozen: no DDP/DeepSpeed wrapper needed
         teacher.eval()
 
     state = {"step": 0, "tokens": 0, "batches": 0}
