@@ -126,3 +126,35 @@ def test_output_files(make_model, convert_tiny):
     card = (out / "README.md").read_text()
     assert "12" in card and "latent" in card and summary["version"] in card
     assert not list(out.parent.glob(".*partial*"))
+
+
+def test_streams_one_layer_at_a_time(make_model, convert_tiny, monkeypatch):
+    """Source weights are read layer by layer and released: when layer i is read, no tensor of layers
+    before i-1 is still alive (the conversion holds one layer, never the model)."""
+    import gc
+    import re
+    import weakref
+
+    from transmla_tool.io.source import SafetensorsSource
+
+    src = make_model("llama", kv_heads=2, layers=6)
+    alive: dict[int, list] = {}
+    violations = []
+    original = SafetensorsSource._load
+
+    def tracked(self, name):
+        tensor = original(self, name)
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        if match:
+            layer = int(match.group(1))
+            gc.collect()
+            for earlier, refs in alive.items():
+                if earlier < layer - 1 and any(r() is not None for r in refs):
+                    violations.append((layer, earlier))
+            alive.setdefault(layer, []).append(weakref.ref(tensor))
+        return tensor
+
+    monkeypatch.setattr(SafetensorsSource, "_load", tracked)
+    convert_tiny(src, latent_dim=12, rope_dim=8)
+    assert sorted(alive) == list(range(6))
+    assert not violations, violations
