@@ -183,7 +183,7 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
                     "original": geometry.cache_values_per_token_per_layer,
                     "converted": t.latent_dim + settings.rope_dim,
                 },
-                "servable": servability(t.config, source.config),
+                "servable": servability(t.config),
                 "layers": t.reports,
                 "wall_time_s": round(time.time() - start, 1),
                 "peak_rss_mb": peak_rss_mb(),
@@ -369,7 +369,7 @@ def verify_stock_layer(tensors, mla, target_config, layer_idx, x, cos, sin) -> f
     return float((stock - reference).norm() / reference.norm().clamp_min(1e-30))
 
 
-def servability(target_config, src_config) -> dict:
+def servability(target_config) -> dict:
     """What the stock serving engines will and will not do with this checkpoint."""
     notes = []
     vllm_ok = True
