@@ -158,3 +158,21 @@ def test_streams_one_layer_at_a_time(make_model, convert_tiny, monkeypatch):
     convert_tiny(src, latent_dim=12, rope_dim=8)
     assert sorted(alive) == list(range(6))
     assert not violations, violations
+
+
+def test_sharded_source_checkpoint(make_model, convert_tiny, tmp_path):
+    """A source saved as several shards with an index converts to the same weights as the single file."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from transmla_tool.methods import PRESETS
+
+    src = make_model("llama", kv_heads=2)
+    sharded = tmp_path / "sharded-src"
+    AutoModelForCausalLM.from_pretrained(src).save_pretrained(sharded, max_shard_size="30KB")
+    AutoTokenizer.from_pretrained(src).save_pretrained(sharded)
+    assert (sharded / "model.safetensors.index.json").exists()
+    a, _, _ = convert_tiny(src, latent_dim=12, rope_dim=8, method=PRESETS["closed-form"])
+    b, _, _ = convert_tiny(sharded, latent_dim=12, rope_dim=8, method=PRESETS["closed-form"])
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
