@@ -63,9 +63,15 @@ def test_generates_sensible_text(smollm2_converted):
     model_dir, gguf, out, _, _ = smollm2_converted
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    prompt = "The capital of France is"
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    text = tokenizer.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:])
-    words = text.split()
-    assert len(words) >= 3 and sum(w.strip(".,!?").isalpha() for w in words) >= len(words) // 2, text
-    assert "Paris" in text, text
+
+    def greedy(prompt: str, new_tokens: int) -> str:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        return tokenizer.decode(model.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:])
+
+    # A fact the original knows: the answer may stop right after the name, so only the name is checked.
+    assert "Paris" in greedy("The capital of France is", 12)
+    # Free continuation: at least a few words, mostly real words rather than symbols or repeated pieces.
+    words = greedy("The weather in Sydney today was", 24).split()
+    assert len(words) >= 5, words
+    assert sum(w.strip(".,;:!?'\"").isalpha() for w in words) >= 0.6 * len(words), words
+    assert len(set(words)) >= 0.5 * len(words), words
