@@ -9,7 +9,7 @@ with the stock DeepseekV3ForCausalLM loaded from the written checkpoint.
     python eval/quality.py --budgets 192 --configs default,transmla     # one column
 
 A configuration is `name=preset[:setting=value,...]`, or a bare preset name; e.g.
-`no-refine=default:refine_steps=0`. Results are appended to <output-dir>/quality.jsonl as they come
+`refine-300=default:refine_steps=300`. Results are appended to <output-dir>/quality.jsonl as they come
 in, so an interrupted run resumes where it stopped; the table and plot are rebuilt from that file.
 """
 
@@ -44,7 +44,6 @@ DEFAULT_CONFIGS = [
     # the default (closed form + layer-local refinement) and refinement variants
     "default=default",
     "default:converted-inputs=default:calib_inputs=converted",
-    "default:refine-300=default:refine_steps=300",
 ]
 
 

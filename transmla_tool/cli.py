@@ -31,7 +31,9 @@ def _add_convert_args(p: argparse.ArgumentParser, calib_default: str | None = "d
     p.add_argument("--calib-samples", type=int, default=64, help="calibration windows")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--text-field", default="text", help="text column of .jsonl/.parquet/datasets data")
-    p.add_argument("--method", default="default", help="conversion preset: default or transmla")
+    p.add_argument("--method", default="default",
+                   help="conversion preset: default (ours), transmla (the published recipe) or closed-form "
+                   "(ours without layer-local refinement)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                    help="override one method setting, e.g. --set refine_steps=100 (repeatable)")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass during calibration")
