@@ -1,10 +1,13 @@
 """Healing benchmark: SmolLM2-135M converted at 192 of 384 cache values, distilled from the original.
 
+    python eval/heal.py --output-dir runs/heal-news --max-tokens 81920 --eval-every 10
     python eval/prepare_heal_data.py                 # once: Debian's linux-doc-6.1 text -> .data/linux-doc.jsonl
-    python eval/heal.py --output-dir runs/heal --max-tokens 2000000
+    python eval/heal.py --output-dir runs/heal-linux-doc --data .data/linux-doc.jsonl --max-tokens 81920 --eval-every 10
 
-Training text: linux-doc (technical prose). Held-out evaluation: the last 25% of gensim's
-lee_background news articles (the same split as the demo and eval/quality.py), never trained on.
+Training text: `news` (default) is the first 75% of gensim's lee_background articles, the split the
+conversion calibrates on; any other local file or datasets spec works, e.g. Debian's linux-doc text
+(technical prose, another domain). Held-out evaluation: the last 25% of the articles (the same split
+as the demo and eval/quality.py), never trained on.
 Writes <output-dir>/heal.md and heal.png (held-out perplexity vs tokens seen, original as a line)
 from the training log; `--resume` continues an interrupted run from its last checkpoint.
 """
@@ -28,12 +31,12 @@ from transmla_tool.heal.train import HealSettings, heal
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default="runs/heal")
-    parser.add_argument("--data", default=".data/linux-doc.jsonl")
+    parser.add_argument("--data", default="news", help="training text: `news` or a local file / datasets spec")
     parser.add_argument("--latent-dim", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=2_000_000)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--train", default="attention")
     parser.add_argument("--lm-weight", type=float, default=0.0)
     parser.add_argument("--eval-every", type=int, default=25)
@@ -44,10 +47,11 @@ def main() -> None:
 
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if not Path(args.data).exists():
-        raise SystemExit(f"{args.data} is missing: run `python eval/prepare_heal_data.py --output {args.data}`")
     model_dir, gguf = smollm2_gguf()
     calib, heldout = split_documents(lee_corpus(), out / "data")
+    data = str(calib) if args.data == "news" else args.data
+    if "linux-doc" in args.data and not Path(args.data).exists():
+        raise SystemExit(f"{args.data} is missing: run `python eval/prepare_heal_data.py --output {args.data}`")
     converted = out / f"converted-{args.latent_dim + 64}"
     if not (converted / "config.json").exists():
         convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
@@ -65,31 +69,31 @@ def main() -> None:
 
     healed = out / f"healed-{args.latent_dim + 64}"
     summary = heal(HealSettings(
-        model=str(converted), output=str(healed), data=str(args.data), teacher=model_dir, teacher_gguf_file=gguf,
+        model=str(converted), output=str(healed), data=data, teacher=model_dir, teacher_gguf_file=gguf,
         max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
         train=args.train, lm_weight=args.lm_weight, eval_data=str(heldout), eval_every=args.eval_every,
         eval_windows=args.eval_windows, save_every=args.save_every, resume=args.resume, overwrite=not args.resume,
     ))
     rows = [json.loads(line) for line in (Path(f"{healed}.ckpt") / "log.jsonl").read_text().splitlines()]
-    write_report(out, rows, original, summary)
+    write_report(out, rows, original, summary, f"{args.data}, lr {args.lr:g}, train {args.train}")
 
 
-def write_report(out: Path, rows: list[dict], original: float, summary: dict) -> None:
+def write_report(out: Path, rows: list[dict], original: float, summary: dict, setup: str) -> None:
     evals = [(r["tokens"], r["eval_perplexity"]) for r in rows if "eval_perplexity" in r]
     speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
     lines = [
         f"# Healing SmolLM2-135M at 192/384 cache values (original held-out perplexity {original:.3f})",
         "",
-        f"{summary['tokens']} training tokens, {summary['tokens_per_s']:.0f} tokens/s "
-        f"({summary['processes']} process(es), mixed precision {summary['mixed_precision']}).",
+        (f"Training text {setup}; {summary['tokens']} training tokens, {summary['tokens_per_s']:.0f} tokens/s "
+         f"({summary['processes']} process(es), mixed precision {summary['mixed_precision']})."),
         "",
         "| tokens seen | held-out perplexity | ratio to original |",
         "|---|---|---|",
     ]
     lines += [f"| {t} | {p:.3f} | {p / original:.3f} |" for t, p in evals]
     within = next((t for t, p in evals if p <= 1.05 * original), None)
-    lines += ["", f"First evaluation within 5% of the original: {within if within is not None else 'not reached'}"
-              f" tokens. Mean training speed {sum(speeds) / max(len(speeds), 1):.0f} tokens/s."]
+    lines += ["", (f"First evaluation within 5% of the original: {within if within is not None else 'not reached'}"
+                   f" tokens. Mean training speed {sum(speeds) / max(len(speeds), 1):.0f} tokens/s.")]
     (out / "heal.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

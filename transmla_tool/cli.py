@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=4, help="windows per process per micro-step")
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=3e-5,
+                   help="peak learning rate (3e-4 undid the refined conversion on SmolLM2; see README)")
     p.add_argument("--warmup-steps", type=int, default=None)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--kd-weight", type=float, default=1.0, help="weight of KL(teacher || student)")

@@ -82,7 +82,7 @@ def resolve_dtype(name: str, src_config) -> torch.dtype:
         return table[name]
     if name != "auto":
         raise UserError(f"--dtype must be auto, bfloat16 or float32, got {name}")
-    src = getattr(src_config, "dtype", None) or getattr(src_config, "torch_dtype", None)
+    src = getattr(src_config, "dtype", None)  # transformers 5 reads an old `torch_dtype` key into `dtype`
     if isinstance(src, str):
         src = getattr(torch, src, None)
     if src == torch.float16:

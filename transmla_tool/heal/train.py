@@ -41,7 +41,7 @@ class HealSettings:
     seq_len: int = 512
     batch_size: int = 4  # per process
     grad_accum: int = 1
-    lr: float = 1e-4
+    lr: float = 3e-5
     warmup_steps: int | None = None  # default: 5% of the steps, at most 100
     weight_decay: float = 0.0
     kd_weight: float = 1.0
