@@ -45,13 +45,15 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
 
+    # Fail before the minutes of conversion, not after: a local training file that is not there yet.
+    if Path(args.data).suffix in {".txt", ".jsonl", ".json", ".parquet"} and not Path(args.data).exists():
+        raise SystemExit(f"{args.data} is missing (for Debian's linux-doc text run "
+                         f"`python eval/prepare_heal_data.py --output {args.data}`)")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model_dir, gguf = smollm2_gguf()
     calib, heldout = split_documents(lee_corpus(), out / "data")
     data = str(calib) if args.data == "news" else args.data
-    if "linux-doc" in args.data and not Path(args.data).exists():
-        raise SystemExit(f"{args.data} is missing: run `python eval/prepare_heal_data.py --output {args.data}`")
     converted = out / f"converted-{args.latent_dim + 64}"
     if not (converted / "config.json").exists():
         convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
