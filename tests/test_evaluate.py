@@ -34,10 +34,11 @@ def test_measured_cache_equals_analytic(converted_pair, which):
     ids = torch.randint(3, 300, (1, 100))
     result = measure_context(model, ids, new_tokens=3, chunk=32)
     assert result["measured_bytes"] == result["analytic_bytes"]
+    timing = result["decode"]["default"]
+    assert timing["steps"] == 3 and timing["tokens_per_s"] == pytest.approx(1e3 / timing["step_ms_median"])
     expected = 2 * 2 * 16 if which == "source" else 16 + 8
     assert result["measured_values_per_token_per_layer"] == pytest.approx(expected)
     assert result["analytic_bytes"] == expected * 2 * 100 * 4  # per token per layer x layers x context x fp32
-    assert result["decode_tokens_per_s"] > 0
 
 
 def test_eval_report(converted_pair, text_file, tmp_path):
@@ -60,7 +61,9 @@ def test_eval_report(converted_pair, text_file, tmp_path):
         measured = cache["measured_bytes"][ctx]
         assert measured["converted"] / measured["original"] == pytest.approx(24 / 64)
         assert measured == cache["analytic_bytes"][ctx]
-        assert saved["decode_tokens_per_s"][ctx]["original"] > 0
+        speeds = saved["decode_tokens_per_s"][ctx]
+        assert set(speeds) == {"original", "converted", "converted_absorbed"} and min(speeds.values()) > 0
+        assert saved["decode_steps"][ctx]["converted_absorbed"]["warmup_steps"] == 2
     assert not cache["warnings"]
     acc = saved["lm_eval"]["tiny_cloze"]["acc"]
     assert 0.0 <= acc["original"] <= 1.0 and 0.0 <= acc["converted"] <= 1.0

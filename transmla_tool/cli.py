@@ -132,7 +132,11 @@ def _add_eval_args(p: argparse.ArgumentParser, with_bench: bool = True) -> None:
         return
     p.add_argument("--skip-windows", type=int, default=0, help="windows at the start of --data not scored")
     p.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths for cache/speed")
-    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens decoded after each context")
+    p.add_argument("--new-tokens", type=int, default=16, help="timed greedy tokens decoded after each context")
+    p.add_argument("--warmup-tokens", type=int, default=2, help="untimed decode steps before the timed ones")
+    p.add_argument("--attention", default="both", choices=["stock", "absorbed", "both"],
+                   help="converted model's decode path: transformers' stock attention, the absorbed MLA runtime "
+                   "(transmla_tool.runtime.absorbed), or both side by side")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="tokens per prefill step")
     p.add_argument("--tasks", default="", help="comma-separated lm-eval tasks")
     p.add_argument("--limit", type=float, default=None, help="lm-eval examples per task (or fraction)")
@@ -179,7 +183,8 @@ def cmd_eval(args) -> int:
         original=args.original, gguf_file=args.gguf_file, converted=args.converted, output_dir=args.output_dir,
         data=args.data, seq_len=args.seq_len, max_tokens=args.max_tokens, skip_windows=args.skip_windows,
         batch_size=args.eval_batch_size, contexts=_int_list(args.contexts, "--contexts"),
-        new_tokens=args.new_tokens, prefill_chunk=args.prefill_chunk,
+        new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens, attention=args.attention,
+        prefill_chunk=args.prefill_chunk,
         tasks=[t for t in args.tasks.split(",") if t], limit=args.limit, num_fewshot=args.num_fewshot,
         include_path=args.include_path, dtype=args.dtype, device=args.device, seed=args.seed,
     )

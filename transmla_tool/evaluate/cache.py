@@ -7,7 +7,9 @@ mismatch (e.g. an implementation that stores expanded K/V for MLA) is reported l
 
 from __future__ import annotations
 
+import copy
 import os
+import statistics
 import time
 
 import torch
@@ -91,37 +93,95 @@ def prefill(model, ids: torch.Tensor, chunk: int):
     return cache, logits
 
 
+def decode_timing(model, cache, logits, steps: int, warmup: int) -> dict:
+    """Greedy decode `warmup` untimed then `steps` timed tokens, one at a time, from (cache, logits).
+
+    Reports the median step (the steady state: one-off costs such as allocator growth or lazy kernel
+    setup land in the warm-up or the tail) beside the mean, and on a GPU the summed kernel time per
+    step from the profiler: at batch 1 the host often dominates wall time and hides the attention.
+    """
+    device = logits.device
+    token = logits.argmax(-1)
+    for _ in range(warmup):
+        out = model(token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        out = model(token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    result = {
+        "steps": steps,
+        "warmup_steps": warmup,
+        "step_ms_median": 1e3 * statistics.median(times),
+        "step_ms_mean": 1e3 * statistics.fmean(times),
+        "tokens_per_s": 1.0 / statistics.median(times),
+        "gpu_kernel_ms_per_step": None,
+    }
+    if device.type == "cuda":
+        result["gpu_kernel_ms_per_step"] = _kernel_ms_per_step(model, cache, token, min(steps, 4))
+    return result
+
+
+def _kernel_ms_per_step(model, cache, token, steps: int) -> float:
+    """Summed CUDA kernel time of a few decode steps, per step (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            out = model(token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / 1e3 / steps
+
+
 @torch.no_grad()
-def measure_context(model, ids: torch.Tensor, new_tokens: int, chunk: int) -> dict:
-    """Prefill `ids` (1, T), measure the cache, then greedily decode `new_tokens` tokens."""
+def measure_context(model, ids: torch.Tensor, new_tokens: int, chunk: int, warmup: int = 2,
+                    modes: dict | None = None) -> dict:
+    """Prefill `ids` (1, T), measure the cache, then time greedy decoding.
+
+    modes: {name: callable(model) -> None} run before each decode measurement (e.g. switching the
+    attention to the absorbed path); every mode decodes from its own copy of the same prefilled
+    cache. Default: one mode, "default", the model as loaded.
+    """
     device = next(model.parameters()).device
     ids = ids.to(device)
-    with PeakMemory(device) as peak:
+    modes = modes or {"default": lambda m: None}
+    with PeakMemory(device) as prefill_peak:
         cache, logits = prefill(model, ids, chunk)
         measured = cache_tensors_bytes(cache)
         seq = cache.get_seq_length()
-        token = logits.argmax(-1)
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(new_tokens):
-            out = model(token, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            token = out.logits[:, -1:].argmax(-1)
-        _sync(device)
-        elapsed = time.perf_counter() - start
     config = model.config
     dtype_bytes = next(model.parameters()).element_size()
     per_token_layer = cached_values_per_token_per_layer(config)
     analytic = per_token_layer * config.num_hidden_layers * seq * dtype_bytes
-    return {
+    result = {
         "context": int(ids.shape[1]),
         "measured_bytes": int(measured),
         "analytic_bytes": int(analytic),
         "measured_values_per_token_per_layer": measured / (config.num_hidden_layers * seq * dtype_bytes),
         "analytic_values_per_token_per_layer": per_token_layer,
-        "decode_tokens_per_s": new_tokens / elapsed if elapsed > 0 else float("inf"),
-        "peak_memory_mb": peak.peak_mb,
+        "prefill_peak_memory_mb": prefill_peak.peak_mb,
+        "decode": {},
     }
+    names = list(modes)
+    for i, name in enumerate(names):
+        modes[name](model)
+        own = cache if i == len(names) - 1 else copy.deepcopy(cache)
+        with PeakMemory(device) as peak:
+            timing = decode_timing(model, own, logits, new_tokens, warmup)
+        timing["peak_memory_mb"] = _max(prefill_peak.peak_mb, peak.peak_mb)
+        result["decode"][name] = timing
+        del own
+    return result
+
+
+def _max(a, b):
+    return None if a is None and b is None else max(x for x in (a, b) if x is not None)
 
 
 def _sync(device):

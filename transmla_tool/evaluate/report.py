@@ -53,17 +53,29 @@ def markdown(report: dict) -> str:
         )
     for warning in cache["warnings"]:
         lines += ["", f"**WARNING:** {warning}"]
+    runs = list(next(iter(report["decode_tokens_per_s"].values()), {}))
     lines += [
         "",
-        "## Decode speed (greedy, tokens/s after the context) and peak memory",
+        "## Decode speed (greedy, batch 1, median tokens/s after the context) and peak memory",
         "",
-        "| context | original tok/s | converted tok/s | original peak MiB | converted peak MiB |",
-        "|---|---|---|---|---|",
+        "| context | " + " | ".join(f"{r} tok/s" for r in runs) + " | "
+        + " | ".join(f"{r} peak MiB" for r in runs) + " |",
+        "|---" * (1 + 2 * len(runs)) + "|",
     ]
     for ctx, speed in report["decode_tokens_per_s"].items():
         peak = report["peak_memory_mb"][ctx]
-        lines.append(f"| {ctx} | {_fmt(speed['original'])} | {_fmt(speed['converted'])} | "
-                     f"{_fmt(peak['original'], 0)} | {_fmt(peak['converted'], 0)} |")
+        lines.append(f"| {ctx} | " + " | ".join(_fmt(speed[r]) for r in runs) + " | "
+                     + " | ".join(_fmt(peak[r], 0) for r in runs) + " |")
+    kernel = {ctx: steps for ctx, steps in report.get("decode_steps", {}).items()
+              if any(v.get("gpu_kernel_ms_per_step") is not None for v in steps.values())}
+    if kernel:
+        lines += ["", "GPU kernel time per decode step (ms, torch.profiler) beside wall time:", "",
+                  "| context | " + " | ".join(f"{r} kernel / wall" for r in runs) + " |",
+                  "|---" * (1 + len(runs)) + "|"]
+        for ctx, steps in kernel.items():
+            lines.append(f"| {ctx} | " + " | ".join(
+                f"{_fmt(steps[r]['gpu_kernel_ms_per_step'], 3)} / {_fmt(steps[r]['step_ms_median'], 3)}"
+                for r in runs) + " |")
     for note in report.get("notes", []):
         lines += ["", f"Note: {note}"]
     if "lm_eval" in report:
@@ -88,8 +100,8 @@ def plots(report: dict, directory: Path) -> list[str]:
         ("cache_bytes.png", "KV cache held by transformers",
          {k: [report["kv_cache"]["measured_bytes"][c][k] / 2**20 for c in keys] for k in ("original", "converted")},
          "MiB"),
-        ("decode_speed.png", "Greedy decode speed",
-         {k: [report["decode_tokens_per_s"][c][k] for c in keys] for k in ("original", "converted")},
+        ("decode_speed.png", "Greedy decode speed (batch 1, median)",
+         {k: [report["decode_tokens_per_s"][c][k] for c in keys] for k in report["decode_tokens_per_s"][keys[0]]},
          "tokens / s"),
     ):
         fig, ax = plt.subplots(figsize=(5, 3.5))

@@ -37,7 +37,11 @@ class EvalSettings:
     batch_size: int = 4
     contexts: list[int] = field(default_factory=lambda: [1024, 4096])
     new_tokens: int = 16
+    warmup_tokens: int = 2
     prefill_chunk: int = 1024
+    # converted model's decode: "stock" (transformers' DeepseekV3Attention), "absorbed"
+    # (transmla_tool.runtime.absorbed) or "both", side by side
+    attention: str = "both"
     tasks: list[str] = field(default_factory=list)
     limit: float | None = None
     num_fewshot: int | None = None
@@ -88,6 +92,36 @@ def context_ids(windows: torch.Tensor, length: int) -> torch.Tensor:
     return flat.repeat(reps)[:length][None]
 
 
+ATTENTION_MODES = ("stock", "absorbed", "both")
+
+
+def decode_modes(config, attention: str) -> dict:
+    """How each model decodes in the speed measurement: {report key suffix: switch(model)}."""
+    from ..runtime.absorbed import absorb
+
+    if config.model_type != "deepseek_v3":
+        return {"": lambda m: None}
+    modes = {}
+    if attention in ("stock", "both"):
+        modes[""] = restore_stock
+    if attention in ("absorbed", "both"):
+        modes["_absorbed"] = absorb
+    return modes
+
+
+def _absorbed(model) -> bool:
+    from ..runtime.absorbed import is_absorbed
+
+    return is_absorbed(model)
+
+
+def restore_stock(model) -> None:
+    if model.config.model_type == "deepseek_v3" and _absorbed(model):
+        from ..runtime.absorbed import restore
+
+        restore(model)
+
+
 def evaluate_model(name: str, path: str, gguf_file, settings: EvalSettings, windows, tokenizer, dtype,
                    device) -> dict:
     model = load_model(path, gguf_file, dtype, device)
@@ -102,9 +136,11 @@ def evaluate_model(name: str, path: str, gguf_file, settings: EvalSettings, wind
     result["perplexity"] = perplexity(model, windows, settings.batch_size, settings.progress,
                                       desc=f"perplexity ({name})")
     result["contexts"] = {}
+    modes = decode_modes(config, settings.attention)
     for length in tqdm(settings.contexts, desc=f"cache + decode ({name})", disable=not settings.progress):
-        result["contexts"][str(length)] = measure_context(model, context_ids(windows, length),
-                                                          settings.new_tokens, settings.prefill_chunk)
+        result["contexts"][str(length)] = measure_context(model, context_ids(windows, length), settings.new_tokens,
+                                                          settings.prefill_chunk, settings.warmup_tokens, modes)
+    restore_stock(model)
     if settings.tasks:
         result["lm_eval"] = run_lm_eval(model, tokenizer, settings.tasks, limit=settings.limit,
                                         num_fewshot=settings.num_fewshot, include_path=settings.include_path,
@@ -127,6 +163,10 @@ def run_eval(settings: EvalSettings) -> dict:
         raise UserError(f"--converted {settings.converted} is not a directory written by transmla-tool convert")
     if any(c < 1 for c in settings.contexts):
         raise UserError("--contexts must be positive token counts")
+    if settings.attention not in ATTENTION_MODES:
+        raise UserError(f"--attention must be one of {', '.join(ATTENTION_MODES)}, got {settings.attention}")
+    if settings.new_tokens < 1 or settings.warmup_tokens < 0:
+        raise UserError("--new-tokens must be >= 1 and --warmup-tokens >= 0")
     tokenizer = load_tokenizer(settings.original, settings.gguf_file)
     max_windows = settings.skip_windows + max(1, settings.max_tokens // settings.seq_len)
     windows = token_windows(settings.data, tokenizer, settings.seq_len, max_windows, settings.text_field,
@@ -164,13 +204,22 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
         },
         "decode_tokens_per_s": {},
         "peak_memory_mb": {},
+        "decode_steps": {},
     }
     cache = report["kv_cache"]
     for ctx in orig["contexts"]:
         for key in ("measured_bytes", "analytic_bytes", "measured_values_per_token_per_layer"):
             cache[key][ctx] = {k: results[k]["contexts"][ctx][key] for k in both}
-        report["decode_tokens_per_s"][ctx] = {k: results[k]["contexts"][ctx]["decode_tokens_per_s"] for k in both}
-        report["peak_memory_mb"][ctx] = {k: results[k]["contexts"][ctx]["peak_memory_mb"] for k in both}
+        speed, peak, steps = {}, {}, {}
+        for k in both:
+            for mode, timing in results[k]["contexts"][ctx]["decode"].items():
+                speed[k + mode] = timing["tokens_per_s"]
+                peak[k + mode] = timing["peak_memory_mb"]
+                steps[k + mode] = {f: timing[f] for f in ("step_ms_median", "step_ms_mean", "gpu_kernel_ms_per_step",
+                                                          "steps", "warmup_steps")}
+        report["decode_tokens_per_s"][ctx] = speed
+        report["peak_memory_mb"][ctx] = peak
+        report["decode_steps"][ctx] = steps
         for k in both:
             measured, analytic = cache["measured_bytes"][ctx][k], cache["analytic_bytes"][ctx][k]
             if measured != analytic:
@@ -189,13 +238,18 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
             for task, metrics in orig["lm_eval"].items()
         }
     report["notes"] = []
-    if conv["model_type"] == "deepseek_v3":
+    if conv["model_type"] == "deepseek_v3" and settings.attention in ("stock", "both"):
         report["notes"].append(
-            "Decode speed and peak memory are those of transformers' reference DeepseekV3Attention: it caches "
-            "the latent but re-expands the whole cache into per-head keys and values with kv_b_proj at every "
-            "step, so its cost grows with the context. Serving engines' MLA kernels (vLLM, SGLang, FlashMLA) "
-            "absorb kv_b_proj into the query and output projections and attend over the latent directly."
+            "`converted` decodes with transformers' stock DeepseekV3Attention: it caches the latent but "
+            "re-expands the whole cache into per-head keys and values with kv_b_proj at every step, so its cost "
+            "grows with the context. `converted_absorbed` is the same checkpoint and cache decoded by "
+            "transmla_tool.runtime.absorbed (kv_b_proj folded into the query and output, attention over the "
+            "latent), the computation serving engines' MLA kernels do."
         )
+    report["notes"].append(
+        f"Decode speed: median of {settings.new_tokens} timed greedy steps after {settings.warmup_tokens} "
+        "untimed warm-up steps, batch 1; peak memory covers the prefill and the decode."
+    )
     report["settings"] = {k: v for k, v in asdict(settings).items() if k != "progress"}
     report["environment"] = {
         "device": str(device), "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,

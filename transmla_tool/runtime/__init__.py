@@ -1,0 +1,1 @@
+"""Opt-in runtime changes to loaded models (absorbed MLA decoding)."""

@@ -1,0 +1,128 @@
+"""Absorbed MLA decoding for a loaded stock `DeepseekV3ForCausalLM` (opt-in, per instance).
+
+transformers' `DeepseekV3Attention` caches the normalized latent and the rotated rotary key, then
+re-expands the *whole* cache through `kv_b_proj` into per-head keys and values at every step: its
+cost per generated token grows with context x heads x (nope + v) x latent. Serving kernels instead
+absorb `kv_b_proj` into the query and the output:
+
+    score(h, t) = q_nope[h] . (W_uk[h] c_t) + q_rope[h] . k_rope_t = (W_uk[h]^T q_nope[h]) . c_t + ...
+    out[h]      = sum_t p(h, t) W_uv[h] c_t = W_uv[h] (sum_t p(h, t) c_t)
+
+so a step reads only the cached latent c_t and rotary key (kv_lora_rank + qk_rope_head_dim values
+per token), once for all heads. `absorb(model)` switches every attention layer of a loaded model to
+that computation; the checkpoint, the cache object and the logits stay the same (fp32: relative
+difference ~1e-6). Prefill (more than `absorb_max_query` new tokens) keeps the expanded path, which
+needs fewer FLOPs there; decode steps use the absorbed path. `restore(model)` undoes it.
+
+Nothing is patched globally: only the `forward` of the given model's attention instances changes.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+# Steps with at most this many new tokens per sequence use the absorbed path (decode, short
+# speculative chunks); longer ones are prefill and keep the expanded path.
+ABSORB_MAX_QUERY = 16
+
+
+def _attention_modules(model):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    found = [m for m in model.modules() if isinstance(m, DeepseekV3Attention)]
+    if not found:
+        raise ValueError("absorb() needs a DeepseekV3 model (no DeepseekV3Attention layer found)")
+    return found
+
+
+def absorb(model, max_query: int = ABSORB_MAX_QUERY):
+    """Make every DeepSeek-V3 attention layer of `model` decode over the latent cache. Returns model."""
+    for module in _attention_modules(model):
+        if not hasattr(module, "_stock_forward"):
+            module._stock_forward = module.forward
+        module._absorb_max_query = max_query
+        module.forward = types.MethodType(_absorbed_forward, module)
+    return model
+
+
+def restore(model):
+    """Undo absorb(): the stock forward again."""
+    for module in _attention_modules(model):
+        if hasattr(module, "_stock_forward"):
+            module.forward = module._stock_forward
+            del module._stock_forward
+    return model
+
+
+def is_absorbed(model) -> bool:
+    return all(hasattr(m, "_stock_forward") for m in _attention_modules(model))
+
+
+def _split_kv_b(module) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj per head: W_uk (H, dn, r) and W_uv (H, dv, r), views of the weight."""
+    heads, dn, dv = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
+    w = module.kv_b_proj.weight.view(heads, dn + dv, module.kv_lora_rank)  # (H, dn+dv, r)
+    return w[:, :dn], w[:, dn:]
+
+
+def _queries(module, hidden_states):
+    if module.q_lora_rank is None:
+        return module.q_proj(hidden_states)
+    return module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
+
+
+def _absorbed_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        apply_rotary_pos_emb,
+        apply_rotary_pos_emb_interleave,
+    )
+
+    bsz, length = hidden_states.shape[:-1]
+    if past_key_values is None or length > self._absorb_max_query:
+        return self._stock_forward(hidden_states, position_embeddings, attention_mask,
+                                   past_key_values=past_key_values, **kwargs)
+    heads, dn, dr, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+
+    q = _queries(self, hidden_states).view(bsz, length, heads, dn + dr).transpose(1, 2)  # (B, H, S, dn+dr)
+    q_nope, q_rot = q.split([dn, dr], dim=-1)
+    compressed = self.kv_a_proj_with_mqa(hidden_states)  # (B, S, r+dr)
+    latent, k_rot = compressed.split([r, dr], dim=-1)
+    latent = self.kv_a_layernorm(latent).view(bsz, 1, length, r)
+    k_rot = k_rot.view(bsz, 1, length, dr)
+    cos, sin = position_embeddings
+    rotate = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
+    q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
+    latent, k_rot = past_key_values.update(latent, k_rot, self.layer_idx)  # (B, 1, T, r), (B, 1, T, dr)
+    total = latent.shape[2]
+
+    w_uk, w_uv = _split_kv_b(self)
+    q_latent = torch.matmul(q_nope, w_uk.unsqueeze(0))  # (B, H, S, dn) @ (1, H, dn, r) -> (B, H, S, r)
+    # All heads share one latent and one rotary key: attend with the H*S queries as one head.
+    q_latent = q_latent.reshape(bsz, heads * length, r)
+    q_rot = q_rot.reshape(bsz, heads * length, dr)
+    scores = torch.baddbmm(  # (B, H*S, T)
+        torch.bmm(q_rot, k_rot[:, 0].transpose(1, 2)), q_latent, latent[:, 0].transpose(1, 2),
+    ) * self.scaling
+    mask = _mask(attention_mask, bsz, heads, length, total, scores.device)
+    if mask is not None:
+        # the dtype's minimum, not -inf: a fully masked row (left padding) stays finite, as in transformers
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(latent.dtype)
+    out_latent = torch.bmm(probs, latent[:, 0]).view(bsz, heads, length, r)  # (B, H, S, r)
+    out = torch.matmul(out_latent, w_uv.transpose(1, 2).unsqueeze(0))  # (B, H, S, r) @ (1, H, r, dv)
+    out = out.transpose(1, 2).reshape(bsz, length, heads * self.v_head_dim)
+    return self.o_proj(out), None
+
+
+def _mask(attention_mask, bsz, heads, length, total, device):
+    """The mask for the (B, H*S, T) scores: transformers' (B, 1, S, T) mask repeated over heads, or the
+    causal mask of the last S positions when transformers passes none."""
+    if attention_mask is not None:
+        return attention_mask.expand(bsz, 1, length, total).repeat(1, heads, 1, 1).reshape(bsz, heads * length, total)
+    if length == 1:
+        return None
+    query_pos = torch.arange(total - length, total, device=device)
+    causal = torch.arange(total, device=device)[None, :] <= query_pos[:, None]  # (S, T)
+    return causal.repeat(heads, 1)[None]
