@@ -105,23 +105,58 @@ def test_missing_tensor(capsys, base_args, make_model, tmp_path):
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial*"))
 
 
-def test_interrupt_leaves_nothing(base_args, tmp_path, monkeypatch):
-    """Ctrl-C in the middle of writing: no output directory, no staging directory."""
+def _interrupt_at(monkeypatch, part_name):
+    """Raise KeyboardInterrupt when the writer is about to write part `part_name`."""
     from transmla_tool.io import writer
 
-    calls = {"n": 0}
-    original = writer.ShardedWriter.add
+    original = writer.ShardedWriter.add_part
 
-    def flaky(self, name, tensor):
-        calls["n"] += 1
-        if calls["n"] == 10:
+    def flaky(self, part, tensors):
+        if part == part_name:
             raise KeyboardInterrupt
-        return original(self, name, tensor)
+        return original(self, part, tensors)
 
-    monkeypatch.setattr(writer.ShardedWriter, "add", flaky)
+    monkeypatch.setattr(writer.ShardedWriter, "add_part", flaky)
+
+
+def test_interrupt_before_any_layer_leaves_nothing(base_args, tmp_path, monkeypatch):
+    """Ctrl-C before a layer is finished: no output directory, no staging directory."""
+    _interrupt_at(monkeypatch, "layer-00000")
     assert main(["convert", *base_args()]) == 130
+    assert not list(tmp_path.glob("*out*")) and not list(tmp_path.glob(".out*"))
+
+
+def test_resume_after_interrupt_is_bit_identical(base_args, tmp_path, monkeypatch, capsys):
+    """Ctrl-C after layer 0 (of 2): no output directory, a hidden resumable one; `--resume` finishes it and
+    the checkpoint equals an uninterrupted conversion's byte for byte. Without --resume or --overwrite a
+    rerun refuses to touch the unfinished work."""
+    import hashlib
+
+    def digest(path):
+        return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+    reference = tmp_path / "reference"
+    assert main(["convert", *base_args(**{"--output": str(reference)})]) == 0
+
+    with monkeypatch.context() as patch:
+        _interrupt_at(patch, "layer-00001")
+        assert main(["convert", *base_args()]) == 130
+    assert "--resume" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    assert (tmp_path / ".out.partial" / "RESUMABLE").exists()
+
+    code, err = _run(capsys, base_args())
+    assert code == 2 and "pass --resume to continue it" in err
+
+    code, err = _run(capsys, [*base_args(**{"--latent-dim": "16"}), "--resume"])
+    assert code == 2 and "used other settings" in err
+    assert (tmp_path / ".out.partial").exists()  # a refused resume keeps the unfinished work
+
+    assert main(["convert", *base_args(), "--resume"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    assert digest(tmp_path / "out") == digest(reference)
     assert not list(tmp_path.glob(".out*"))
+    assert not (tmp_path / "out" / "parts").exists() and not (tmp_path / "out" / "resume").exists()
 
 
 def test_too_little_calibration_text(capsys, base_args, tmp_path):

@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latent-dim", type=int, required=True, help="kv_lora_rank")
     p.add_argument("--output", required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted conversion (same command) from its last finished layer")
+    p.add_argument("--max-shard-size", default="2GB", help="largest output shard (memory holds one while writing)")
     _add_convert_args(p)
     _add_runtime_args(p)
 
@@ -155,7 +157,7 @@ def cmd_convert(args) -> int:
         dtype=args.dtype, device=args.device, seed=args.seed, overwrite=args.overwrite,
         method=resolve_method(args.method, args.overrides), method_name=args.method,
         ignore_sliding_window=args.ignore_sliding_window, max_shard_size=args.max_shard_size,
-        batch_size=args.batch_size, progress=not args.no_progress,
+        batch_size=args.batch_size, progress=not args.no_progress, resume=args.resume,
     )
     summary = convert(settings)
     cache = summary["cache_values_per_token_per_layer"]

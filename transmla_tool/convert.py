@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import resource
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -21,7 +23,7 @@ from .data import token_windows
 from .errors import UserError
 from .export import attention_prefix, deepseek_config, planned_state_dict, stock_attention
 from .io.source import open_source
-from .io.staging import check_target, staged_directory
+from .io.staging import RESUMABLE_MARK, check_target, staged_directory, staging_path
 from .io.writer import DEFAULT_MAX_SHARD, ShardedWriter
 from .methods import PRESETS, Method
 from .model_card import write_model_card
@@ -59,6 +61,7 @@ class ConvertSettings:
     max_shard_size: str = DEFAULT_MAX_SHARD
     batch_size: int = 8
     progress: bool = True
+    resume: bool = False  # continue an interrupted conversion from its last finished layer
 
 
 def resolve_device(name: str) -> torch.device:
@@ -144,7 +147,7 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
     torch.manual_seed(settings.seed)
     settings.method.validate()
     for output in outputs.values():
-        check_target(output, settings.overwrite)
+        check_target(output, settings.overwrite or settings.resume and staging_path(output).exists())
     source = open_source(settings.model, settings.gguf_file, settings.revision)
     geometry = check_supported(source.config, ignore_sliding_window=settings.ignore_sliding_window)
     for latent_dim in outputs:
@@ -161,12 +164,13 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
             attention_bias=attention_bias, dtype=out_dtype))
         for r, out in outputs.items()
     ]
+    resumed = _load_resume(settings, targets, ids)
     summaries = {}
     with contextlib.ExitStack() as stack:
         for t in targets:
-            t.staging = stack.enter_context(staged_directory(t.output, settings.overwrite))
+            t.staging = stack.enter_context(staged_directory(t.output, settings.overwrite, settings.resume))
             t.writer = ShardedWriter(t.staging, planned_state_dict(t.config, out_dtype), settings.max_shard_size)
-        _convert_weights(settings, source, geometry, targets, ids, device, on_layer)
+        _convert_weights(settings, source, geometry, targets, ids, device, resumed, on_layer)
         generation_config = source.load_generation_config()
         for t in targets:
             t.config.save_pretrained(t.staging)
@@ -202,17 +206,80 @@ def _settings_dict(settings: ConvertSettings, ids) -> dict:
     return out
 
 
-def _convert_weights(settings, source, geometry, targets, ids, device, on_layer=None) -> None:
+RESUME_DIR = "resume"
+
+
+def _resume_key(settings: ConvertSettings, targets) -> str:
+    """What must be equal for a partial conversion to be continued."""
+    ignored = ("progress", "overwrite", "resume", "output", "batch_size")
+    key = {k: v for k, v in asdict(settings).items() if k not in ignored}
+    key["latent_dims"] = [t.latent_dim for t in targets]
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def _load_resume(settings, targets, ids) -> dict | None:
+    """The checkpointed state of an interrupted conversion, or None to start from layer 0. Checked
+    before the staging directory is entered, so a refused resume leaves the unfinished work alone."""
+    state_file = staging_path(targets[0].output) / RESUME_DIR / "state.json"
+    if not settings.resume or not state_file.exists():
+        return None
+    state = json.loads(state_file.read_text())
+    if state["key"] != _resume_key(settings, targets):
+        raise UserError(f"the unfinished conversion in {targets[0].staging} used other settings; rerun it with "
+                        "the same settings, or pass --overwrite instead of --resume to start over")
+    if not torch.equal(torch.load(state_file.parent / "ids.pt"), ids):
+        raise UserError("the calibration text differs from the unfinished conversion's; use the same "
+                        "--calib-data, or --overwrite to start over")
+    return state
+
+
+def _save_resume(settings, targets, ids, hidden, next_layer: int) -> None:
+    """Checkpoint after a finished layer: the calibration stream(s), then the state file (the commit point)."""
+    root = targets[0].staging / RESUME_DIR
+    root.mkdir(exist_ok=True)
+
+    def save(obj, name):
+        tmp = root / f"{name}.tmp"
+        torch.save(obj, tmp)
+        os.replace(tmp, root / name)
+
+    if next_layer == 1:
+        save(ids, "ids.pt")
+    save(hidden.cpu(), "hidden.pt")
+    for t in targets:
+        if t.stream is not None:
+            save(t.stream.cpu(), f"stream-{t.latent_dim}.pt")
+    state = {"key": _resume_key(settings, targets), "next_layer": next_layer,
+             "reports": {str(t.latent_dim): t.reports for t in targets}}
+    tmp = root / "state.json.tmp"
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, root / "state.json")
+    for t in targets:
+        (t.staging / RESUMABLE_MARK).touch()
+
+
+def _convert_weights(settings, source, geometry, targets, ids, device, resumed=None, on_layer=None) -> None:
     method = settings.method
     layers = SourceLayers(source, geometry, device)
-    embed = source.get(EMBED)
-    for t in targets:
-        t.writer.add(EMBED, embed)
-    hidden = embed[ids].to(device)  # (N, L, d) fp32: the calibration windows' residual stream
-    if method.calib_inputs == "converted":
+    first = 0
+    if resumed is None:
+        embed = source.get(EMBED)
         for t in targets:
-            t.stream = hidden.clone()
-    del embed
+            t.writer.add_part("embed", {EMBED: embed})
+        hidden = embed[ids].to(device)  # (N, L, d) fp32: the calibration windows' residual stream
+        del embed
+        if method.calib_inputs == "converted":
+            for t in targets:
+                t.stream = hidden.clone()
+    else:
+        first = resumed["next_layer"]
+        root = targets[0].staging / RESUME_DIR
+        hidden = torch.load(root / "hidden.pt").to(device)
+        for t in targets:
+            t.reports = resumed["reports"][str(t.latent_dim)]
+            if method.calib_inputs == "converted":
+                t.stream = torch.load(root / f"stream-{t.latent_dim}.pt").to(device)
+        print(f"resuming {settings.output or 'the conversion'} at layer {first} of {geometry.num_layers}")
 
     length = ids.shape[1]
     cos, sin = (t[0] for t in layers.position_embeddings(length))  # (L, D)
@@ -222,8 +289,11 @@ def _convert_weights(settings, source, geometry, targets, ids, device, on_layer=
     log_freqs = (target_inv_freq.log(), layers.inv_freq.log())
     q_lora = targets[0].config.q_lora_rank is not None
     refine_windows = min(method.refine_windows, ids.shape[0])
+    # fp64 factorization where the model runs: a GPU does it in a fraction of the CPU's time
+    math_device = device
 
-    bar = tqdm(range(geometry.num_layers), desc="converting layers", disable=not settings.progress)
+    bar = tqdm(range(first, geometry.num_layers), desc="converting layers", disable=not settings.progress,
+               initial=first, total=geometry.num_layers)
     for i in bar:
         layer = layers.layer(i)
         attn = layers.attention_weights(layer)
@@ -242,9 +312,11 @@ def _convert_weights(settings, source, geometry, targets, ids, device, on_layer=
                 if t.stream is None:
                     shared = (stats, plan, rotation, x_refine, y_refine)
             mla, fact = factorize(
-                attn.to(torch.float64, "cpu"), stats.x_moment.cpu(), plan, settings.rope_dim, t.latent_dim,
-                nope_rotation=rotation, latent_weighting=method.latent_weighting, kv_balance=method.kv_balance,
+                attn.to(torch.float64, math_device), stats.x_moment.to(math_device), _plan_to(plan, math_device),
+                settings.rope_dim, t.latent_dim, nope_rotation=_rotation_to(rotation, math_device),
+                latent_weighting=method.latent_weighting, kv_balance=method.kv_balance,
             )
+            mla = mla.to(torch.float64, "cpu")
             report = {"layer": i, "kept_energy": round(fact.kept_energy, 6), "kv_balance": round(fact.kv_balance, 6)}
             if method.refine_steps:
                 holdout = max(1, refine_windows // 8) if refine_windows > 1 else 0
@@ -260,11 +332,11 @@ def _convert_weights(settings, source, geometry, targets, ids, device, on_layer=
             report["stock_vs_reference"] = verify_stock_layer(tensors, mla, t.config, i, sample,
                                                               target_cos, target_sin)
             prefix = attention_prefix(i)
-            for name, tensor in tensors.items():
-                t.writer.add(prefix + name, tensor)
+            group = {prefix + name: tensor for name, tensor in tensors.items()}
             for name in LAYER_PASSTHROUGH:
-                full = LAYER_PREFIX.format(i=i) + name
-                t.writer.add(full, layer.get_parameter(name))
+                group[LAYER_PREFIX.format(i=i) + name] = layer.get_parameter(name)
+            t.writer.add_part(f"layer-{i:05d}", group)
+            del group
             if on_layer is not None:
                 on_layer(i, mla)
             if t.stream is not None:
@@ -277,13 +349,22 @@ def _convert_weights(settings, source, geometry, targets, ids, device, on_layer=
                 if method.refine_steps else {}))
         run_source_layer(layer, hidden, (cos[None], sin[None]), settings.batch_size)
         del layer, attn, shared
+        _save_resume(settings, targets, ids, hidden, i + 1)
 
     final_norm = source.get(FINAL_NORM)
     head = source.get(LM_HEAD) if source.has(LM_HEAD) else source.get(EMBED)  # tied source: untie
     for t in targets:
-        t.writer.add(FINAL_NORM, final_norm)
-        t.writer.add(LM_HEAD, head)
+        t.writer.add_part("final", {FINAL_NORM: final_norm, LM_HEAD: head})
         t.writer.close()
+    shutil.rmtree(targets[0].staging / RESUME_DIR, ignore_errors=True)
+
+
+def _plan_to(plan, device):
+    return type(plan)(a=plan.a.to(device), b=plan.b.to(device))
+
+
+def _rotation_to(rotation, device):
+    return None if rotation is None else tuple(r.to(device) for r in rotation)
 
 
 def _rope_plan(method, attn, stats, geometry, inv_freq, pools, log_freqs):

@@ -80,7 +80,6 @@ class SafetensorsSource(CheckpointSource):
             raise UserError(f"cannot read a config.json in {directory}: {exc}") from exc
         self.tokenizer_args = (str(directory),)
         self._file_of = self._index(directory)
-        self._handles = {}
 
     @staticmethod
     def _index(directory: Path) -> dict[str, str]:
@@ -113,10 +112,10 @@ class SafetensorsSource(CheckpointSource):
     def _load(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        filename = self._file_of[name]
-        if filename not in self._handles:
-            self._handles[filename] = safe_open(self.directory / filename, framework="pt")
-        return self._handles[filename].get_tensor(name)
+        # Opened per tensor and closed at once: a handle kept open keeps every page it touched mapped,
+        # and a whole 70B model's pages would pile up in the process (they count in its RSS).
+        with safe_open(self.directory / self._file_of[name], framework="pt") as f:
+            return f.get_tensor(name)
 
 
 class GGUFSource(CheckpointSource):

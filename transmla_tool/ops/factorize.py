@@ -81,7 +81,14 @@ def rope_selection(plan: RopePlan, head_dim: int, rope_dim: int):
     return select.reshape(rope_dim, -1), share.reshape(rope_dim, -1).T
 
 
-def factorize(
+def factorize(attn: GQAWeights, x_moment: torch.Tensor, plan: RopePlan, rope_dim: int, latent_dim: int,
+              **options) -> tuple[MLAWeights, FactorizeReport]:
+    """Closed-form conversion of one layer, computed on the device of the inputs (fp64 on a GPU too)."""
+    with torch.device(attn.q.device):  # factories below (zeros, eye, arange) follow the inputs
+        return _factorize(attn, x_moment, plan, rope_dim, latent_dim, **options)
+
+
+def _factorize(
     attn: GQAWeights,
     x_moment: torch.Tensor,
     plan: RopePlan,
