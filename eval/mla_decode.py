@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -41,12 +42,20 @@ def load_layer(path: Path, layer: int):
     return natural_attention(tensors, AutoConfig.from_pretrained(path)).to(torch.float32), config
 
 
-def bench(fn, repeats: int) -> float:
-    fn()
-    start = time.perf_counter()
-    for _ in range(repeats):
+def bench(fn, repeats: int, device: torch.device, warmup: int = 3) -> float:
+    """Median seconds per call after `warmup` untimed calls (each call synchronised on a GPU)."""
+    for _ in range(warmup):
         fn()
-    return (time.perf_counter() - start) / repeats
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -56,9 +65,14 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--kv-heads", type=int, default=None, help="source KV heads (default: from conversion.json)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     torch.manual_seed(0)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    torch.set_default_device(device)
     w, config = load_layer(Path(args.converted), args.layer)
+    w = w.to(dtype, device)
     heads, r, dr, dn, dv = w.num_heads, w.latent_dim, w.rope_dim, w.nope_dim, w.v_dim
     summary = json.loads((Path(args.converted) / "conversion.json").read_text())
     gqa_values = summary["cache_values_per_token_per_layer"]["original"]
@@ -67,13 +81,14 @@ def main() -> None:
     kv_b = w.kv_b.view(heads, dn + dv, r)
     w_uk, w_uv = kv_b[:, :dn], kv_b[:, dn:]  # (H, dn, r), (H, dv, r)
     scale = w.softmax_scale
+    print(f"device {device}, {args.dtype}, median of {args.repeats} after 3 warm-up calls")
     print(f"layer {args.layer}: H={heads} latent={r} rope={dr} nope={dn} v={dv}; source KV heads {kv_heads}")
     print("| context | gqa ms/step | mla-expanded ms/step | mla-absorbed ms/step | cache bytes gqa | cache bytes mla |")
     print("|---|---|---|---|---|---|")
     for ctx in [int(c) for c in args.contexts.split(",")]:
-        x = torch.randn(1, hidden)
-        latent = torch.randn(ctx, r) * 0.5
-        k_rope = torch.randn(ctx, dr)
+        x = torch.randn(1, hidden, dtype=dtype)
+        latent = torch.randn(ctx, r, dtype=dtype) * 0.5
+        k_rope = torch.randn(ctx, dr, dtype=dtype)
         q = F.linear(x, w.q).view(heads, dn + dr)
         q_nope, q_rope = q[:, :dn], q[:, dn:]
 
@@ -89,9 +104,9 @@ def main() -> None:
             o_lat = scores.softmax(-1) @ latent  # (H, r)
             return F.linear(torch.einsum("hr,hvr->hv", o_lat, w_uv).reshape(1, -1), w.o)
 
-        keys = torch.randn(kv_heads, ctx, dv)
-        values = torch.randn(kv_heads, ctx, dv)
-        q_gqa = torch.randn(heads, 1, dv)
+        keys = torch.randn(kv_heads, ctx, dv, dtype=dtype)
+        values = torch.randn(kv_heads, ctx, dv, dtype=dtype)
+        q_gqa = torch.randn(heads, 1, dv, dtype=dtype)
 
         def gqa():
             rep = heads // kv_heads
@@ -99,10 +114,11 @@ def main() -> None:
                                                  values.repeat_interleave(rep, 0))
             return F.linear(out.reshape(1, -1), w.o)
 
-        assert torch.allclose(expanded(), absorbed(), rtol=1e-3, atol=1e-4)
-        t = [bench(f, args.repeats) * 1e3 for f in (gqa, expanded, absorbed)]
+        a, b = expanded().float(), absorbed().float()
+        assert (a - b).norm() <= (1e-4 if dtype == torch.float32 else 3e-2) * a.norm(), "paths disagree"
+        t = [bench(f, args.repeats, device) * 1e3 for f in (gqa, expanded, absorbed)]
         print(f"| {ctx} | {t[0]:.3f} | {t[1]:.3f} | {t[2]:.3f} | {2 * kv_heads * dv * ctx * 2} | {(r + dr) * ctx * 2} |")
-    print("(cache bytes per layer in bf16)")
+    print("(cache bytes per layer in bf16; wall time per call, plain PyTorch, not a tuned kernel)")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,10 @@ def test_stock_model_equals_reference(make_model, convert_tiny, family, kwargs):
     has_bias = family == "qwen2" or kwargs.get("attention_bias", False)
     assert config["attention_bias"] is has_bias
     assert (config["q_lora_rank"] is not None) is has_bias
-    assert summary["servable"]["vllm_sglang_as_is"] is (not has_bias and not kwargs.get("rope_scaling"))
+    problems = " ".join(summary["servable"]["vllm"]["problems"])
+    assert summary["servable"]["vllm"]["serves_as_is"] is False and "24 + rope 8 = 32" in problems
+    assert ("no bias parameters" in problems) is has_bias
+    assert ("DeepSeek YaRN" in problems) is bool(kwargs.get("rope_scaling"))
 
 
 def test_error_shrinks_with_latent_dim(make_model, convert_tiny):

@@ -63,7 +63,11 @@ def test_healing_reduces_loss_and_exports_stock(teacher_and_student, text_file, 
     stock = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     natural = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).eval()
     to_natural(natural)
-    natural.load_state_dict(load_file(Path(f"{out}.ckpt") / "step-30" / "model.safetensors"))
+    trained = load_file(Path(f"{out}.ckpt") / "step-30" / "trainable.safetensors")
+    assert trained and all(".self_attn." in name for name in trained)  # lean: only what was trained
+    missing, unexpected = natural.load_state_dict(trained, strict=False)
+    assert not unexpected and all(".self_attn." not in name for name in missing)
+    assert summary["tokens_per_s"] > 0 and summary["output_dtype"] == "float32"
     with torch.no_grad():
         assert rel_err(stock(ids).logits, natural(ids, use_cache=False).logits) < 1e-5
 
@@ -88,6 +92,26 @@ def test_resume_equals_uninterrupted(teacher_and_student, text_file, tmp_path):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_bf16_student_heals_to_bf16_and_prunes_checkpoints(teacher_and_student, text_file, tmp_path):
+    """The healed checkpoint keeps the converted checkpoint's dtype (bf16 here), and --save-total-limit
+    keeps only the newest checkpoints."""
+    from transformers import AutoModelForCausalLM as Auto
+
+    teacher, student = teacher_and_student
+    bf16 = tmp_path / "student-bf16"
+    Auto.from_pretrained(student, dtype=torch.bfloat16).save_pretrained(bf16)
+    for name in ("tokenizer.json", "tokenizer_config.json", "conversion.json"):
+        if (student / name).exists():
+            (bf16 / name).write_bytes((student / name).read_bytes())
+    out = tmp_path / "healed-bf16"
+    summary = heal(_settings(teacher, bf16, text_file, out, max_steps=6, save_every=2, save_total_limit=2,
+                             eval_data=None))
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    assert summary["output_dtype"] == "bfloat16"
+    assert sorted(p.name for p in Path(f"{out}.ckpt").glob("step-*")) == ["step-4", "step-6"]
 
 
 def test_heal_needs_a_loss(teacher_and_student, text_file, tmp_path, capsys):

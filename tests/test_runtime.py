@@ -101,6 +101,22 @@ def _decode_logits_from(model, cache, logits, mask, steps):
     return torch.stack(collected, 1), cache
 
 
+def test_blockwise_softmax_equals_one_block(make_model, convert_tiny, monkeypatch):
+    """Keys processed in blocks (online softmax, as at long contexts) give the same logits as one block."""
+    from transmla_tool.runtime import absorbed
+
+    src = make_model("llama", kv_heads=2)
+    out, _, _ = convert_tiny(src, latent_dim=16, rope_dim=8)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(3))
+    absorb(model)
+    with torch.no_grad():
+        whole, _ = _decode_logits(model, ids, steps=5)
+        monkeypatch.setattr(absorbed, "KEY_BLOCK", 7)
+        blocks, _ = _decode_logits(model, ids, steps=5)
+    assert rel_err(blocks, whole) < 1e-6
+
+
 def test_absorbed_generate_matches(make_model, convert_tiny):
     """model.generate() with the absorbed runtime gives the same greedy tokens."""
     src = make_model("llama", kv_heads=2)

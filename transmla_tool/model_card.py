@@ -57,12 +57,14 @@ def write_model_card(directory: Path, summary: dict, config, extra_sections: lis
             "",
         ]
     serv = summary["servable"]
-    lines += ["## Serving", ""]
-    lines.append(
-        "- vLLM / SGLang stock DeepSeek loaders: "
-        + ("compatible as is." if serv["vllm_sglang_as_is"] else "**not exactly servable as is** (see below).")
-    )
-    lines += [f"- {note}" for note in serv["notes"]]
+    lines += ["## Serving", "", "- transformers: " + str(serv.get("transformers", "exact"))]
+    for engine in ("vllm", "llama.cpp"):
+        verdict = serv.get(engine)
+        if not isinstance(verdict, dict):
+            continue
+        state = "serves it as is" if verdict["serves_as_is"] else "**not as is**"
+        lines.append(f"- {engine} ({verdict['version']}, observed by running it): {state}")
+        lines += [f"  - {problem}" for problem in verdict["problems"]]
     lines += [
         "- The latent RMSNorm (`kv_a_layernorm`) is linearized: its input is scaled so the norm acts as an "
         "exact identity in fp32 and bf16; do not cast this checkpoint to fp16.",

@@ -51,6 +51,7 @@ class HealSettings:
     gradient_checkpointing: bool = False
     mixed_precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     save_every: int = 0  # steps between resumable checkpoints (0: only at the end)
+    save_total_limit: int | None = None  # keep at most this many checkpoints (oldest removed first)
     eval_data: str | None = None
     eval_every: int = 0
     eval_windows: int = 16
@@ -70,6 +71,8 @@ class HealSettings:
             raise UserError("--kd-weight and --lm-weight must be >= 0 and not both 0")
         if min(self.seq_len, self.batch_size, self.grad_accum) < 1 or self.temperature <= 0:
             raise UserError("--seq-len, --batch-size and --grad-accum must be >= 1, --temperature > 0")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise UserError("--save-total-limit must be >= 1")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise UserError("--mixed-precision must be auto, no, bf16 or fp16")
         if not (Path(self.model) / "config.json").exists():
@@ -137,6 +140,7 @@ def heal(settings: HealSettings, on_step=None) -> dict:
     set_seed(settings.seed)
 
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
+    output_dtype = checkpoint_dtype(settings.model)  # read before loading: loading in fp32 rewrites config.dtype
     student = AutoModelForCausalLM.from_pretrained(settings.model, dtype=torch.float32)
     config = student.config
     if config.model_type != "deepseek_v3":
@@ -174,7 +178,7 @@ def heal(settings: HealSettings, on_step=None) -> dict:
 
     state = {"step": 0, "tokens": 0, "batches": 0}
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
+        load_checkpoint(accelerator, resume_from, student, optimizer, scheduler)
         state = json.loads((resume_from / STATE_FILE).read_text())
         if main:
             print(f"resumed from {resume_from} (step {state['step']}, {state['tokens']} tokens)")
@@ -200,7 +204,9 @@ def heal(settings: HealSettings, on_step=None) -> dict:
     bar = tqdm(total=total_steps, initial=state["step"], desc="healing", disable=not (settings.progress and main),
                unit="step")
     start, start_tokens = time.time(), state["tokens"]
+    steady_seconds, steady_tokens, first_step = 0.0, 0, True
     while state["step"] < total_steps:
+        step_start = time.perf_counter()
         for _ in range(settings.grad_accum):
             ids = next(batches).to(accelerator.device)
             state["batches"] += 1
@@ -218,14 +224,19 @@ def heal(settings: HealSettings, on_step=None) -> dict:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss.detach())  # waits for the step to finish on a GPU
         state["step"] += 1
         state["tokens"] += per_step
-        elapsed = time.time() - start
-        metrics = {"step": state["step"], "tokens": state["tokens"], "loss": float(loss.detach()), "kd": float(kd),
+        if not first_step:  # the first step of a process pays one-off set-up costs: not steady state
+            steady_seconds += time.perf_counter() - step_start
+            steady_tokens += per_step
+        first_step = False
+        metrics = {"step": state["step"], "tokens": state["tokens"], "loss": loss_value, "kd": float(kd),
                    "lm": float(lm), "lr": scheduler.get_last_lr()[0],
-                   "tokens_per_s": (state["tokens"] - start_tokens) / max(elapsed, 1e-9)}
+                   "tokens_per_s": steady_tokens / steady_seconds if steady_seconds else None}
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+        if metrics["tokens_per_s"]:
+            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
         if eval_windows is not None and settings.eval_every and (
                 state["step"] % settings.eval_every == 0 or state["step"] == total_steps):
             metrics["eval_perplexity"] = evaluate_perplexity(student, eval_windows, accelerator)
@@ -233,19 +244,25 @@ def heal(settings: HealSettings, on_step=None) -> dict:
         if main:
             _log(log_path, metrics)
         if settings.save_every and state["step"] % settings.save_every == 0 and state["step"] < total_steps:
-            save_checkpoint(accelerator, ckpt_dir / f"step-{state['step']}", state)
+            save_checkpoint(accelerator, ckpt_dir / f"step-{state['step']}", state, student, optimizer, scheduler,
+                            settings.save_total_limit)
         if on_step is not None:
             on_step(state["step"], metrics)
     bar.close()
 
     accelerator.wait_for_everyone()
-    save_checkpoint(accelerator, ckpt_dir / f"step-{state['step']}", state)  # the natural form, to continue from
+    save_checkpoint(accelerator, ckpt_dir / f"step-{state['step']}", state, student, optimizer, scheduler,
+                    settings.save_total_limit)  # the natural form, to continue from
     natural = accelerator.get_state_dict(student)
     summary = {"settings": asdict(settings), "steps": state["step"], "tokens": state["tokens"],
-               "tokens_per_s": (state["tokens"] - start_tokens) / max(time.time() - start, 1e-9),
-               "processes": accelerator.num_processes, "mixed_precision": precision}
+               # steady state: optimizer steps only, without this process's first step, evaluation and saving
+               "tokens_per_s": steady_tokens / steady_seconds if steady_seconds else None,
+               "wall_tokens_per_s": (state["tokens"] - start_tokens) / max(time.time() - start, 1e-9),
+               "processes": accelerator.num_processes, "mixed_precision": precision,
+               "output_dtype": str(output_dtype).replace("torch.", ""),
+               "checkpoint_dir_mb": round(_dir_mb(ckpt_dir), 1) if main else None}
     if main:
-        export(natural, config, settings, tokenizer, summary)
+        export(natural, config, settings, tokenizer, summary, output_dtype)
     accelerator.wait_for_everyone()
     return summary
 
@@ -265,11 +282,84 @@ def evaluate_perplexity(model, windows: torch.Tensor, accelerator) -> float:
     return math.exp(float(nll / count))
 
 
-def save_checkpoint(accelerator, path: Path, state: dict) -> None:
-    accelerator.save_state(str(path))
+LEAN_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")  # every process holds the whole model: save only what trains
+
+
+def _lean(accelerator) -> bool:
+    return accelerator.distributed_type.name in LEAN_TYPES
+
+
+def save_checkpoint(accelerator, path: Path, state: dict, model, optimizer, scheduler,
+                    total_limit: int | None = None) -> None:
+    """A resumable checkpoint. Without sharding (one process, DDP) it holds the trainable parameters,
+    optimizer and scheduler state and each process's RNG state: the frozen weights are the converted
+    checkpoint's and are not copied again. FSDP and DeepSpeed shard parameters and optimizer state:
+    there accelerate's own save_state writes each process's shards."""
+    import random
+
+    import numpy as np
+    from safetensors.torch import save_file
+
+    if not _lean(accelerator):
+        accelerator.save_state(str(path))
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        if accelerator.is_main_process:
+            unwrapped = accelerator.unwrap_model(model)
+            trainable = {n: p.detach().cpu().contiguous() for n, p in unwrapped.named_parameters() if p.requires_grad}
+            save_file(trainable, str(path / "trainable.safetensors"))
+            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                       path / "optimizer.pt")
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, path / f"rng-{accelerator.process_index}.pt")
+        accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (path / STATE_FILE).write_text(json.dumps(state))  # written last: marks the checkpoint complete
+        if total_limit:
+            done = sorted((p for p in path.parent.glob("step-*") if (p / STATE_FILE).exists()),
+                          key=lambda p: int(p.name.split("-")[1]))
+            for old in done[:-total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def load_checkpoint(accelerator, path: Path, model, optimizer, scheduler) -> None:
+    import random
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    if not (path / "trainable.safetensors").exists():
+        accelerator.load_state(str(path))
+        return
+    unwrapped = accelerator.unwrap_model(model)
+    trainable = load_file(path / "trainable.safetensors")
+    params = dict(unwrapped.named_parameters())
+    with torch.no_grad():
+        for name, value in trainable.items():
+            params[name].copy_(value)
+    saved = torch.load(path / "optimizer.pt", weights_only=False)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    rng = torch.load(path / f"rng-{accelerator.process_index}.pt", weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def checkpoint_dtype(model_dir: str) -> torch.dtype:
+    """The dtype a converted checkpoint was written in (its config), fp32 when it says nothing."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, str(name).replace("torch.", ""), torch.float32)
+
+
+def _dir_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
 def _log(path: Path, row: dict) -> None:
@@ -277,14 +367,15 @@ def _log(path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def export(natural_state: dict, config, settings: HealSettings, tokenizer, summary: dict) -> None:
+def export(natural_state: dict, config, settings: HealSettings, tokenizer, summary: dict,
+           dtype: torch.dtype = torch.float32) -> None:
     """Write the stock DeepSeek-V3 checkpoint (atomically, like convert)."""
     from transformers import DeepseekV3ForCausalLM, GenerationConfig
 
     from ..model_card import write_model_card
 
     state = stock_state_dict(natural_state, config)
-    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype), torch.float32)
+    config.dtype = dtype
     with torch.device("meta"):
         stock = DeepseekV3ForCausalLM(config)
     stock.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)

@@ -135,3 +135,20 @@ def head_blocks(matrix: torch.Tensor, heads: int) -> torch.Tensor:
 def softmax_fold(head_dim: int, rope_dim: int, nope_dim: int) -> float:
     """Factor folded into the query so DeepSeek's (dn+dr)^-1/2 softmax scale equals the source D^-1/2."""
     return math.sqrt((nope_dim + rope_dim) / head_dim)
+
+
+def pad_latent(w: MLAWeights, size: int) -> MLAWeights:
+    """The same layer with the latent zero-padded to `size` channels (exact: padded channels are 0 in
+    every token's latent and read by nothing). For engines whose MLA kernels accept only some sizes."""
+    extra = size - w.latent_dim
+    if extra < 0:
+        raise ValueError(f"cannot pad a latent of {w.latent_dim} down to {size}")
+    if extra == 0:
+        return w
+    r = w.latent_dim
+    kv_a = torch.cat([w.kv_a[:r], w.kv_a.new_zeros(extra, w.kv_a.shape[1]), w.kv_a[r:]])
+    kv_b = torch.cat([w.kv_b, w.kv_b.new_zeros(w.kv_b.shape[0], extra)], dim=1)
+    bias = w.kv_a_bias
+    if bias is not None:
+        bias = torch.cat([bias[:r], bias.new_zeros(extra), bias[r:]])
+    return replace(w, kv_a=kv_a, kv_b=kv_b, kv_a_bias=bias, latent_dim=size)

