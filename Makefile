@@ -18,7 +18,7 @@ ENGINES ?= $(HOME)/.cache/transmla-tool/engines
 VLLM_STAMP := $(ENGINES)/vllm/.installed
 LLAMA_CPP_STAMP := $(ENGINES)/llama.cpp/.built
 
-.PHONY: setup demo test test-fast test-engines engines clean
+.PHONY: setup demo test test-fast test-engines engines clean clean-engines
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -54,11 +54,17 @@ engines: $(VLLM_STAMP) $(LLAMA_CPP_STAMP)
 demo: setup
 	$(BIN)/transmla-tool demo
 
-test: setup
-	$(BIN)/python -m pytest -q tests
+test: setup engines
+	TRANSMLA_ENGINES=$(ENGINES) TRANSMLA_REQUIRE_ENGINES=1 $(BIN)/python -m pytest -q tests
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow and not engines" tests
+
+test-engines: setup engines
+	TRANSMLA_ENGINES=$(ENGINES) TRANSMLA_REQUIRE_ENGINES=1 $(BIN)/python -m pytest -q -m engines tests
 
 clean:
-	rm -rf $(VENV) demo_out $(ENGINES)
+	rm -rf $(VENV) demo_out
+
+clean-engines:
+	rm -rf $(ENGINES)

@@ -43,6 +43,9 @@ def base_args(make_model, text_file, tmp_path):
         ({"--model": "/nonexistent/model"}, "neither a local directory nor a valid hub id"),
         ({"--device": "tpu"}, "--device must be"),
         ({"--method": "magic"}, "unknown method 'magic'"),
+        ({"--target": "vllm"}, "--target vllm: latent 12 + rope 8 = 20: vLLM 0.32.0 (CPU build) serves MLA only at "
+                               "320/512/576"),
+        ({"--pad-latent-to": "8"}, "--pad-latent-to 8 is smaller than --latent-dim 12"),
     ],
 )
 def test_bad_arguments(capsys, base_args, tmp_path, overrides, needle):

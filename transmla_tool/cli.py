@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted conversion (same command) from its last finished layer")
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (memory holds one while writing)")
+    p.add_argument("--target", default="auto", choices=["auto", "vllm", "transformers"],
+                   help="vllm: refuse before converting what vLLM cannot serve (sizes other than 320/512/576, biases, "
+                   "rope scaling); auto: convert and say which engines will refuse it; transformers: no engine check")
     p.add_argument("--pad-latent-to", type=int, default=0,
                    help="zero-pad the latent to this size in the output (exact, costs cache): for engines whose MLA "
                    "kernels accept only some sizes, e.g. 512 for vLLM's CPU backend (512 + 64)")
@@ -163,7 +166,7 @@ def cmd_convert(args) -> int:
         method=resolve_method(args.method, args.overrides), method_name=args.method,
         ignore_sliding_window=args.ignore_sliding_window, max_shard_size=args.max_shard_size,
         batch_size=args.batch_size, progress=not args.no_progress, resume=args.resume,
-        pad_latent_to=args.pad_latent_to,
+        pad_latent_to=args.pad_latent_to, target=args.target,
     )
     summary = convert(settings)
     cache = summary["cache_values_per_token_per_layer"]

@@ -87,6 +87,9 @@ class ConvertSettings:
     # zero-pad the latent to this many channels in the output (exact; for engines whose MLA kernels
     # accept only some sizes, e.g. vLLM's CPU backend: 512 + 64); 0 = no padding
     pad_latent_to: int = 0
+    # engine the output must serve in: "vllm" refuses, before converting, what vLLM cannot serve; "auto"
+    # prints what each engine will do; "transformers" only needs transformers
+    target: str = "auto"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -195,6 +198,7 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
             attention_bias=attention_bias, dtype=out_dtype))
         for r, out in outputs.items()
     ]
+    _check_engines(settings, targets)
     resumed = _load_resume(settings, targets, ids)
     summaries = {}
     with contextlib.ExitStack() as stack:
@@ -238,6 +242,25 @@ def _settings_dict(settings: ConvertSettings, ids) -> dict:
     out["method"] = settings.method.as_dict()
     out["calib_tokens"] = int(ids.numel())
     return out
+
+
+def _check_engines(settings: ConvertSettings, targets) -> None:
+    """Say before converting which engines will refuse the output; with --target vllm, refuse it."""
+    from .engines import VLLM, check_target
+
+    for t in targets:
+        problems = check_target(t.config, settings.target)
+        if not problems:
+            continue
+        size = t.config.kv_lora_rank + t.config.qk_rope_head_dim
+        if settings.target == "vllm":
+            fix = (f"choose --latent-dim so latent + rope is one of {'/'.join(map(str, VLLM.mla_sizes))}, or "
+                   f"--pad-latent-to {min(s for s in VLLM.mla_sizes if s >= size) - settings.rope_dim}"
+                   if size not in VLLM.mla_sizes and size <= max(VLLM.mla_sizes) else "")
+            raise UserError(f"--target vllm: {problems[0]}" + (f"; {fix}" if fix else "")
+                            + "; or pass --target transformers to convert anyway")
+        for problem in problems if settings.progress else []:
+            print(f"note (vLLM {VLLM.version}, latent {t.config.kv_lora_rank}): {problem}")
 
 
 RESUME_DIR = "resume"

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .convert import ConvertSettings, convert_many, resolve_device
+from .engines import VLLM
 from .data import token_windows
 from .errors import UserError
 from .evaluate.cache import cache_tensors_bytes, cached_values_per_token_per_layer, prefill
@@ -90,7 +91,8 @@ def run_sweep(settings: SweepSettings) -> dict:
     original = _score(settings.model, settings.gguf_file, windows, dtype, device, settings, "original")
     for r, path in outputs.items():
         scored = _score(path, None, windows, dtype, device, settings, f"latent {r}")
-        scored.update(latent_dim=r, conversion_seconds=summaries[r]["wall_time_s"])
+        scored.update(latent_dim=r, conversion_seconds=summaries[r]["wall_time_s"],
+                      vllm_size_ok=r + settings.rope_dim in VLLM.mla_sizes)
         points.append(scored)
     result = {
         "original": original,
@@ -129,15 +131,16 @@ def markdown(result: dict) -> str:
     lines = [
         f"# Perplexity vs KV cache ({result['eval_tokens']} held-out tokens)",
         "",
-        "| latent | cache values/token/layer | cache fraction | perplexity | ratio to original |",
-        "|---|---|---|---|---|",
-        f"| original | {orig['values_per_token_per_layer']} | 1.000 | {orig['perplexity']:.3f} | 1.000 |",
+        "| latent | cache values/token/layer | cache fraction | perplexity | ratio to original | vLLM MLA size |",
+        "|---|---|---|---|---|---|",
+        f"| original | {orig['values_per_token_per_layer']} | 1.000 | {orig['perplexity']:.3f} | 1.000 | |",
     ]
     for p in result["points"]:
         lines.append(
             f"| {p['latent_dim']} | {p['values_per_token_per_layer']} | "
             f"{p['values_per_token_per_layer'] / orig['values_per_token_per_layer']:.3f} | "
-            f"{p['perplexity']:.3f} | {p['perplexity'] / orig['perplexity']:.3f} |"
+            f"{p['perplexity']:.3f} | {p['perplexity'] / orig['perplexity']:.3f} | "
+            f"{'yes' if p.get('vllm_size_ok') else 'no'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -158,6 +161,10 @@ def plot(result: dict, path: Path) -> None:
     for p in result["points"]:
         ax.annotate(str(p["latent_dim"]), (p["values_per_token_per_layer"], p["perplexity"]), fontsize=8,
                     textcoords="offset points", xytext=(3, 3))
+    servable = [p for p in result["points"] if p.get("vllm_size_ok")]
+    if servable:
+        ax.scatter([p["values_per_token_per_layer"] for p in servable], [p["perplexity"] for p in servable], s=120,
+                   facecolors="none", edgecolors="tab:green", zorder=3, label="a size vLLM's MLA serves")
     ax.set_xlabel("KV cache values per token per layer")
     ax.set_ylabel("perplexity")
     ax.set_yscale("log")

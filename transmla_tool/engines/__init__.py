@@ -43,6 +43,19 @@ LLAMA_CPP = EngineFacts(
 )
 
 
+TARGETS = ("auto", "vllm", "transformers")
+
+
+def check_target(config, target: str) -> list[str]:
+    """Problems that keep `target` from serving a checkpoint with this config, known before converting.
+    Raises nothing: the caller decides whether a problem stops the conversion."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}")
+    if target == "transformers":
+        return []
+    return servability(config)["vllm"]["problems"]
+
+
 def servability(config) -> dict:
     """Per-engine verdict for a converted DeepSeek-V3 config: what is known to work and what not."""
     size = config.kv_lora_rank + config.qk_rope_head_dim
@@ -59,8 +72,9 @@ def servability(config) -> dict:
     if rope_type == "default":
         vllm_problems.append(
             "rope_type 'default': vLLM's CPU rotary kernel computes DeepSeek's 3-D q/k slices wrongly "
-            "(perplexity 464 instead of 34 measured; `compilation_config={'custom_ops': ['-rotary_embedding']}` "
-            "fixes it); GPU builds not checked")
+            "(perplexity 464 instead of 34 measured); this tool writes YaRN with factor 1 instead, which is exact")
+    elif rope_type == "yarn" and float(config.rope_parameters.get("factor", 1.0)) == 1.0:
+        pass  # YaRN with factor 1 is the plain rotary embedding: tests/test_engines.py runs it in vLLM
     else:
         vllm_problems.append(
             f"rope_type '{rope_type}': vLLM turns every non-default rope type on a DeepSeek model into DeepSeek "
