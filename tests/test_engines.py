@@ -29,7 +29,7 @@ PPL_TOLERANCE = 0.005  # relative, fp32
 
 
 def _vllm_or_skip():
-    from transmla_tool.engines.vllm import vllm_python
+    from transmla_tool.engines.vllm_engine import vllm_python
 
     try:
         return vllm_python()
@@ -53,16 +53,18 @@ def _transformers_reference(model_dir, prompts, windows):
     return greedy, float(nll), sum(len(w) - 1 for w in windows)
 
 
-def _check_vllm(model_dir, prompts, windows, env):
-    from transmla_tool.engines.vllm import run_vllm
+def _check_vllm(model_dir, prompts, windows, env, max_model_len=1024):
+    from transmla_tool.engines.vllm_engine import run_vllm
 
     greedy, nll, count = _transformers_reference(model_dir, prompts, windows)
     result = run_vllm(model_dir, greedy=prompts, new_tokens=GREEDY_TOKENS, perplexity=windows, env=env,
-                      max_model_len=1024)
+                      max_model_len=max_model_len)
     assert result["nll_tokens"] == count
     ppl_hf, ppl_vllm = math.exp(nll / count), math.exp(result["nll_sum"] / count)
     assert abs(ppl_vllm / ppl_hf - 1) < PPL_TOLERANCE, (ppl_hf, ppl_vllm, result["log_tail"])
     assert result["greedy"] == greedy, result["log_tail"]
+    print(f"{model_dir}: perplexity transformers {ppl_hf:.6f}, vLLM {ppl_vllm:.6f}; greedy {GREEDY_TOKENS} tokens equal; "
+          f"vLLM KV cache {result['kv_cache']}")
     return result
 
 
@@ -124,4 +126,4 @@ def test_vllm_serves_tiny_families(trained_model, text_file, tmp_path, family, k
                             calib_samples=8, calib_seq_len=64, dtype="float32", device="cpu", progress=False,
                             method=PRESETS["closed-form"], pad_latent_to=512))
     prompts, windows = _prompts_and_windows(out, text_file, 64)
-    _check_vllm(out, prompts, windows, env={})
+    _check_vllm(out, prompts, windows, env={}, max_model_len=256)

@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--kv-cache-gb", type=float, default=2.0)
+    parser.add_argument("--kv-cache-gb", type=int, default=2)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gb))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its caches are visible
