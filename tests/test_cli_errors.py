@@ -22,7 +22,7 @@ def base_args(make_model, text_file, tmp_path):
     def args(**overrides):
         values = {"--model": str(src), "--latent-dim": "12", "--rope-dim": "8", "--output": str(tmp_path / "out"),
                   "--calib-data": str(text_file), "--calib-samples": "4", "--calib-seq-len": "32",
-                  "--device": "cpu"}
+                  "--device": "cpu", "--target": "auto"}
         values.update(overrides)
         flat = [x for k, v in values.items() if v is not None for x in (k, v)]
         return flat + ["--no-progress"]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from helpers import logits, reference_logits, rel_err, sample_ids
 
@@ -179,3 +179,40 @@ def test_sharded_source_checkpoint(make_model, convert_tiny, tmp_path):
     b, _, _ = convert_tiny(sharded, latent_dim=12, rope_dim=8, method=PRESETS["closed-form"])
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_llama3_rope_maps_onto_yarn_for_vllm(trained_model, convert_tiny, text_file):
+    """--target vllm writes Llama-3 rope scaling as DeepSeek YaRN (what vLLM applies to every scaled
+    DeepSeek model), with the ramp fitted so each slot sits near a Llama-3 frequency and the slots given
+    their nearest source frequencies. Against the same conversion with Llama-3 scaling kept exactly
+    (--target auto), the only difference is that frequency mismatch: it is reported and small, and
+    transformers computes YaRN exactly as written."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    from transmla_tool.data import token_windows
+    from transmla_tool.methods import PRESETS
+    from transmla_tool.ops.rope import yarn_inv_freq
+
+    src = trained_model("llama", kv_heads=1, rope_scaling=True)
+    ids = token_windows(str(text_file), AutoTokenizer.from_pretrained(src), 256, 2)  # 4x the original context
+    closed = PRESETS["closed-form"]
+    exact, summary_exact, _ = convert_tiny(src, latent_dim=24, rope_dim=8, target="auto", method=closed)
+    mapped, summary, _ = convert_tiny(src, latent_dim=24, rope_dim=8, target="vllm", method=closed,
+                                      pad_latent_to=312)  # 312 + 8 = 320: a size vLLM serves (padding is exact)
+    assert summary_exact["rope_slot_max_log_error"] == 0
+
+    config = AutoConfig.from_pretrained(mapped)
+    rope = config.rope_parameters
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 8.0 and rope["attention_factor"] == 1.0
+    freq = yarn_inv_freq(rope["rope_theta"], 8, rope["factor"], rope["original_max_position_embeddings"],
+                         rope["beta_fast"], rope["beta_slow"])
+    rotary = DeepseekV3RotaryEmbedding(config)
+    assert torch.allclose(rotary.inv_freq.double(), freq, rtol=1e-6) and rotary.attention_scaling == 1.0
+    assert 0 < summary["rope_slot_max_log_error"] < 0.05
+    assert summary["servable"]["vllm"]["serves_as_is"] is True, summary["servable"]["vllm"]["problems"]
+    reference = logits(exact, ids)
+    error = rel_err(logits(mapped, ids), reference)
+    source_error = rel_err(reference, logits(src, ids))
+    print(f"llama3 -> yarn: max slot |log f ratio| {summary['rope_slot_max_log_error']:.4f}; logits vs exact-llama3 "
+          f"conversion {error:.4f} (that conversion vs source {source_error:.4f})")
+    assert error < 0.1

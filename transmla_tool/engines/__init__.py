@@ -73,12 +73,11 @@ def servability(config) -> dict:
         vllm_problems.append(
             "rope_type 'default': vLLM's CPU rotary kernel computes DeepSeek's 3-D q/k slices wrongly "
             "(perplexity 464 instead of 34 measured); this tool writes YaRN with factor 1 instead, which is exact")
-    elif rope_type == "yarn" and float(config.rope_parameters.get("factor", 1.0)) == 1.0:
-        pass  # YaRN with factor 1 is the plain rotary embedding: tests/test_engines.py runs it in vLLM
-    else:
+    elif rope_type != "yarn":
         vllm_problems.append(
             f"rope_type '{rope_type}': vLLM turns every non-default rope type on a DeepSeek model into DeepSeek "
-            "YaRN, which is not this model's rotary embedding")
+            "YaRN, which is not this model's rotary embedding (--target vllm maps Llama-3 scaling onto YaRN)")
+    # rope_type 'yarn' is what vLLM computes too (tests/test_engines.py runs factor 1 and a Llama-3 mapping)
     llama_problems = [
         "not loadable from this checkpoint directly: convert with llama.cpp's convert_hf_to_gguf.py "
         "(--outtype f32 or bf16, never f16), then pass --override-kv deepseek2.attention.q_lora_rank=int:0; the "

@@ -52,6 +52,50 @@ def fold_pools(head_dim: int, rope_dim: int, pool_size: int = 1) -> list[tuple[l
     ]
 
 
+def match_pools(source_log_freq: torch.Tensor, slot_log_freq: torch.Tensor,
+                pool_size: int = 1) -> tuple[list[tuple[list[int], list[int]]], float]:
+    """Pools for a target whose slot frequencies are not exactly every (D/rope_dim)-th source frequency
+    (a scaled rope mapped onto YaRN). Both lists are ordered by frequency, so the source frequencies
+    are cut into as many consecutive, non-empty runs as there are slots, run j going to slot j; the cut
+    minimises the largest distance between a slot's frequency and its nearest member, then the summed
+    distance of all members (dynamic programming over the cuts). `pool_size` consecutive slots share a
+    pool.
+
+    Returns (pools, error): error = max over slots of |log(slot frequency / nearest member frequency)|.
+    """
+    src = [float(x) for x in source_log_freq.double()]
+    slot = [float(x) for x in slot_log_freq.double()]
+    n, m = len(src), len(slot)
+    if n < m:
+        raise ValueError(f"{m} rotary slots but only {n} source frequencies")
+    if m % pool_size:
+        raise ValueError(f"pool size {pool_size} must divide the {m} rotary slots")
+    inf = (float("inf"), float("inf"))
+    # best[j][k]: cost of giving sources [0, k) to slots [0, j); cut[j][k]: where slot j-1's run starts
+    best = [[inf] * (n + 1) for _ in range(m + 1)]
+    cut = [[0] * (n + 1) for _ in range(m + 1)]
+    best[0][0] = (0.0, 0.0)
+    for j in range(m):
+        for start in range(j, n - (m - j) + 1):
+            if best[j][start] == inf:
+                continue
+            nearest, total = float("inf"), 0.0
+            for end in range(start + 1, n - (m - j - 1) + 1):
+                d = abs(src[end - 1] - slot[j])
+                nearest, total = min(nearest, d), total + d
+                cost = (max(best[j][start][0], nearest), best[j][start][1] + total)
+                if cost < best[j + 1][end]:
+                    best[j + 1][end], cut[j + 1][end] = cost, start
+    runs, end = [], n
+    for j in range(m, 0, -1):
+        runs.append(list(range(cut[j][end], end)))
+        end = cut[j][end]
+    runs.reverse()
+    pools = [(sorted(i for j in range(j0, j0 + pool_size) for i in runs[j]), list(range(j0, j0 + pool_size)))
+             for j0 in range(0, m, pool_size)]
+    return pools, best[m][n][0]
+
+
 def pair_energy(key_moment: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """E[k_c . k_c'] for every pair of (head, frequency) candidates: (G, F, G, F) with F = D/2."""
     half = head_dim // 2

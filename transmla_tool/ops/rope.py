@@ -8,6 +8,8 @@ shared rotary key carries exactly only the source frequencies equal to w'_j (see
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -44,3 +46,45 @@ def expected_rotation(inv_freq: torch.Tensor, distance_mass: torch.Tensor) -> tu
     delta = torch.arange(mass.shape[-1], dtype=torch.float64)
     angle = delta[:, None] * inv_freq.to(torch.float64)[None, :]  # (L, F)
     return mass @ angle.cos(), mass @ angle.sin()
+
+
+def yarn_inv_freq(base: float, dim: int, factor: float, original_max: int, beta_fast: float,
+                  beta_slow: float) -> torch.Tensor:
+    """(dim/2,) inverse frequencies of DeepSeek's YaRN as transformers and vLLM compute them (ramp ends
+    floored / ceiled to whole dimensions), fp64."""
+    def correction_dim(rotations):
+        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    pos = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # share of the unscaled (extrapolated) frequency
+    return (1 / (factor * pos)) * (1 - keep) + (1 / pos) * keep
+
+
+def fit_yarn_betas(source: torch.Tensor, base: float, dim: int, factor: float,
+                   original_max: int) -> tuple[float, float, float]:
+    """YaRN (beta_fast, beta_slow) whose dim/2 slot frequencies each lie as close as possible to one of the
+    `source` frequencies (e.g. Llama-3's scaled ones; the conversion gives each slot its nearest source
+    frequencies). Only the whole-dimension ramp ends matter, so every pair of ends is tried.
+    Returns (beta_fast, beta_slow, max over slots of the log distance to the nearest source frequency)."""
+    def beta_for(corr):  # the rotation count whose correction dim is `corr`
+        return original_max / (2 * math.pi) * base ** (-2 * corr / dim)
+
+    log_source = source.double().log()
+    best = None
+    half = dim // 2
+    for low in range(0, half):
+        for high in range(low + 1, half + 1):
+            fast, slow = beta_for(low + 0.5), beta_for(high - 0.5)
+            log_slot = yarn_inv_freq(base, dim, factor, original_max, fast, slow).log()
+            if len(log_source) == half:  # one source frequency per slot: slot j carries frequency j
+                err = float((log_slot - log_source).abs().max())
+            else:
+                err = float((log_slot[:, None] - log_source[None, :]).abs().min(1).values.max())
+            if best is None or err < best[2]:
+                best = (fast, slow, err)
+    return best
