@@ -216,3 +216,39 @@ def test_llama3_rope_maps_onto_yarn_for_vllm(trained_model, convert_tiny, text_f
     print(f"llama3 -> yarn: max slot |log f ratio| {summary['rope_slot_max_log_error']:.4f}; logits vs exact-llama3 "
           f"conversion {error:.4f} (that conversion vs source {source_error:.4f})")
     assert error < 0.1
+
+
+def test_qwen2_bias_free_output(trained_model, convert_tiny, text_file):
+    """--biases drop (the default for --target vllm, whose DeepSeek attention has no biases): the output has
+    no bias tensors and no q_lora path; layer-local refinement absorbs the biases. The perplexity cost is
+    measured against keeping them (exact in transformers)."""
+    import math
+
+    from safetensors.torch import load_file
+
+    from transmla_tool.data import token_windows
+    from transmla_tool.evaluate.perplexity import perplexity
+    from transmla_tool.methods import PRESETS
+
+    src = trained_model("qwen2", kv_heads=2)
+    windows = token_windows(str(text_file), AutoTokenizer.from_pretrained(src), 64, 24)[-8:]
+
+    def ppl(path):
+        from transformers import AutoModelForCausalLM
+
+        return perplexity(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), windows,
+                          progress=False)["perplexity"]
+
+    kept, _, _ = convert_tiny(src, latent_dim=40, rope_dim=8, biases="keep")
+    dropped_cf, _, _ = convert_tiny(src, latent_dim=40, rope_dim=8, biases="drop", method=PRESETS["closed-form"])
+    dropped, summary, _ = convert_tiny(src, latent_dim=40, rope_dim=8, biases="drop")
+    config = json.loads((dropped / "config.json").read_text())
+    assert config["attention_bias"] is False and config["q_lora_rank"] is None
+    assert not [k for k in load_file(dropped / "model.safetensors") if k.endswith(".bias")]
+    assert not any("bias" in p for p in summary["servable"]["vllm"]["problems"])
+    base = ppl(src)
+    ratios = {name: ppl(path) / base for name, path in
+              (("keep", kept), ("drop, closed form", dropped_cf), ("drop, refined", dropped))}
+    print("qwen2 perplexity ratio to the source:", {k: round(v, 4) for k, v in ratios.items()})
+    assert all(math.isfinite(r) for r in ratios.values())
+    assert ratios["drop, refined"] < ratios["drop, closed form"]

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vllm (default): refuse before converting what vLLM cannot serve (latent + rope other than "
                    "320/512/576, attention biases) and map Llama-3 rope scaling onto DeepSeek YaRN; auto: convert "
                    "anything and say which engines will refuse it; transformers: exact in transformers, no engine check")
+    p.add_argument("--biases", default="auto", choices=["auto", "keep", "drop"],
+                   help="attention biases (Qwen2): keep (exact in transformers, vLLM drops them silently), drop (bias-free "
+                   "output, refinement absorbs them at a measured cost), auto: drop for --target vllm")
     p.add_argument("--pad-latent-to", type=int, default=0,
                    help="zero-pad the latent to this size in the output (exact, costs cache): for engines whose MLA "
                    "kernels accept only some sizes, e.g. 512 for vLLM's CPU backend (512 + 64)")
@@ -167,7 +170,7 @@ def cmd_convert(args) -> int:
         method=resolve_method(args.method, args.overrides), method_name=args.method,
         ignore_sliding_window=args.ignore_sliding_window, max_shard_size=args.max_shard_size,
         batch_size=args.batch_size, progress=not args.no_progress, resume=args.resume,
-        pad_latent_to=args.pad_latent_to, target=args.target,
+        pad_latent_to=args.pad_latent_to, target=args.target, biases=args.biases,
     )
     summary = convert(settings)
     cache = summary["cache_values_per_token_per_layer"]

@@ -90,6 +90,10 @@ class ConvertSettings:
     # engine the output must serve in: "vllm" refuses, before converting, what vLLM cannot serve; "auto"
     # prints what each engine will do; "transformers" only needs transformers
     target: str = "auto"
+    # attention biases (Qwen2's q/k/v): "keep" (exact in transformers; vLLM drops them silently), "drop"
+    # (a bias-free output whose layer-local refinement absorbs them, at a measured cost), "auto": drop for
+    # --target vllm, keep otherwise
+    biases: str = "auto"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -192,10 +196,13 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
         ids = token_windows(settings.calib_data, tokenizer, settings.calib_seq_len, settings.calib_samples,
                             settings.text_field)
     attention_bias = geometry.q_bias or geometry.k_bias or geometry.v_bias or geometry.o_bias
+    drop_biases = attention_bias and _drop_biases(settings)
+    if drop_biases:
+        attention_bias = False
     targets = [
         _Target(latent_dim=r, output=out, config=deepseek_config(
             source.config, geometry, latent_dim=max(r, settings.pad_latent_to), rope_dim=settings.rope_dim,
-            q_bias=geometry.q_bias,
+            q_bias=geometry.q_bias and not drop_biases,
             attention_bias=attention_bias, dtype=out_dtype, yarn_for_scaled_rope=settings.target == "vllm"))
         for r, out in outputs.items()
     ]
@@ -246,6 +253,12 @@ def _settings_dict(settings: ConvertSettings, ids) -> dict:
     out["method"] = settings.method.as_dict()
     out["calib_tokens"] = int(ids.numel())
     return out
+
+
+def _drop_biases(settings: ConvertSettings) -> bool:
+    if settings.biases not in ("auto", "keep", "drop"):
+        raise UserError(f"--biases must be auto, keep or drop, got {settings.biases}")
+    return settings.biases == "drop" or (settings.biases == "auto" and settings.target == "vllm")
 
 
 def _check_engines(settings: ConvertSettings, targets) -> None:
@@ -390,6 +403,8 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
                     kv_balance=method.kv_balance,
                 )
                 mla = mla.to(torch.float64, "cpu")
+                if not t.config.attention_bias:  # a bias-free output: refinement (if on) absorbs the biases
+                    mla = replace(mla, q_bias=None, kv_a_bias=None, o_bias=None)
             report = {"layer": i, "kept_energy": round(fact.kept_energy, 6), "kv_balance": round(fact.kv_balance, 6)}
             if method.refine_steps:
                 holdout = max(1, refine_windows // 8) if refine_windows > 1 else 0
