@@ -128,3 +128,27 @@ def test_vllm_serves_tiny_families(trained_model, text_file, tmp_path, family, k
                             method=PRESETS["closed-form"], pad_latent_to=512, target="vllm"))
     prompts, windows = _prompts_and_windows(out, text_file, 64)
     _check_vllm(out, prompts, windows, env={}, max_model_len=256)
+
+
+def test_eval_in_vllm(trained_model, text_file, tmp_path):
+    """`eval --engine vllm`: both models measured inside vLLM; the KV cache it allocates is the
+    architecture's (GQA 2*G*D, MLA latent + rope), perplexities equal transformers' eval."""
+    from transmla_tool.evaluate.run import EvalSettings, run_eval
+
+    _vllm_or_skip()
+    src = trained_model("llama", heads=4, head_dim=64, hidden=128, kv_heads=2)
+    out = tmp_path / "mla"
+    convert(ConvertSettings(model=str(src), output=str(out), latent_dim=64, rope_dim=64, calib_data=str(text_file),
+                            calib_samples=8, calib_seq_len=64, dtype="float32", device="cpu", progress=False,
+                            method=PRESETS["closed-form"], pad_latent_to=512, target="vllm"))
+    common = dict(original=str(src), converted=str(out), data=str(text_file), seq_len=64, max_tokens=640,
+                  contexts=[64, 192], new_tokens=4, device="cpu", dtype="float32", progress=False)
+    engine = run_eval(EvalSettings(output_dir=str(tmp_path / "vllm"), engine="vllm", **common))
+    reference = run_eval(EvalSettings(output_dir=str(tmp_path / "hf"), attention="absorbed", **common))
+    for key in ("original", "converted"):
+        assert engine["perplexity"][key] == pytest.approx(reference["perplexity"][key], rel=PPL_TOLERANCE)
+    cache = engine["kv_cache"]
+    assert cache["measured_values_per_token_per_layer"]["192"] == {"original": 256, "converted": 576}
+    assert not cache["warnings"] and min(engine["decode_tokens_per_s"]["192"].values()) > 0
+    assert "vllm" in engine["environment"]["engine"]
+    assert "Measured in vLLM" in (tmp_path / "vllm" / "report.md").read_text()

@@ -148,6 +148,9 @@ def _add_eval_args(p: argparse.ArgumentParser, with_bench: bool = True) -> None:
     p.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths for cache/speed")
     p.add_argument("--new-tokens", type=int, default=16, help="timed greedy tokens decoded after each context")
     p.add_argument("--warmup-tokens", type=int, default=2, help="untimed decode steps before the timed ones")
+    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
+                   help="run both models in transformers, or in vLLM (its own venv, `make engines`): perplexity, the "
+                   "KV cache it allocates and decode speed measured inside the engine")
     p.add_argument("--attention", default="both", choices=["stock", "absorbed", "both"],
                    help="converted model's decode path: transformers' stock attention, the absorbed MLA runtime "
                    "(transmla_tool.runtime.absorbed), or both side by side")
@@ -198,7 +201,7 @@ def cmd_eval(args) -> int:
         original=args.original, gguf_file=args.gguf_file, converted=args.converted, output_dir=args.output_dir,
         data=args.data, seq_len=args.seq_len, max_tokens=args.max_tokens, skip_windows=args.skip_windows,
         batch_size=args.eval_batch_size, contexts=_int_list(args.contexts, "--contexts"),
-        new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens, attention=args.attention,
+        new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens, attention=args.attention, engine=args.engine,
         prefill_chunk=args.prefill_chunk,
         tasks=[t for t in args.tasks.split(",") if t], limit=args.limit, num_fewshot=args.num_fewshot,
         include_path=args.include_path, dtype=args.dtype, device=args.device, seed=args.seed,

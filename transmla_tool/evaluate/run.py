@@ -42,6 +42,8 @@ class EvalSettings:
     # converted model's decode: "stock" (transformers' DeepseekV3Attention), "absorbed"
     # (transmla_tool.runtime.absorbed) or "both", side by side
     attention: str = "both"
+    # where the models run: "transformers", or "vllm" (its own venv: `make engines`)
+    engine: str = "transformers"
     tasks: list[str] = field(default_factory=list)
     limit: float | None = None
     num_fewshot: int | None = None
@@ -165,18 +167,30 @@ def run_eval(settings: EvalSettings) -> dict:
         raise UserError("--contexts must be positive token counts")
     if settings.attention not in ATTENTION_MODES:
         raise UserError(f"--attention must be one of {', '.join(ATTENTION_MODES)}, got {settings.attention}")
+    if settings.engine not in ("transformers", "vllm"):
+        raise UserError(f"--engine must be transformers or vllm, got {settings.engine}")
     if settings.new_tokens < 1 or settings.warmup_tokens < 0:
         raise UserError("--new-tokens must be >= 1 and --warmup-tokens >= 0")
     tokenizer = load_tokenizer(settings.original, settings.gguf_file)
     max_windows = settings.skip_windows + max(1, settings.max_tokens // settings.seq_len)
     windows = token_windows(settings.data, tokenizer, settings.seq_len, max_windows, settings.text_field,
                             min_windows=settings.skip_windows + 1)[settings.skip_windows :]
-    results = {
-        "original": evaluate_model("original", settings.original, settings.gguf_file, settings, windows,
-                                   tokenizer, dtype, device),
-        "converted": evaluate_model("converted", settings.converted, None, settings, windows, tokenizer,
-                                    dtype, device),
-    }
+    if settings.engine == "vllm":
+        from .engine import evaluate_in_vllm
+
+        if settings.tasks:
+            raise UserError("--tasks (lm-eval) runs through transformers; drop --tasks or --engine vllm")
+        results = {
+            "original": evaluate_in_vllm("original", settings.original, settings.gguf_file, settings, windows, dtype),
+            "converted": evaluate_in_vllm("converted", settings.converted, None, settings, windows, dtype),
+        }
+    else:
+        results = {
+            "original": evaluate_model("original", settings.original, settings.gguf_file, settings, windows,
+                                       tokenizer, dtype, device),
+            "converted": evaluate_model("converted", settings.converted, None, settings, windows, tokenizer,
+                                        dtype, device),
+        }
     report = build_report(results, settings, device, dtype, time.time() - start)
     write_report(report, Path(settings.output_dir))
     return report
@@ -238,7 +252,12 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
             for task, metrics in orig["lm_eval"].items()
         }
     report["notes"] = []
-    if conv["model_type"] == "deepseek_v3" and settings.attention in ("stock", "both"):
+    if settings.engine == "vllm":
+        report["notes"].append(
+            f"Measured in vLLM {conv['engine']['version']}: perplexity from its prompt logprobs; KV cache = the bytes "
+            "per token per layer of the cache tensors it allocated x layers x context; decode tokens/s = N / "
+            "(time to generate 1 + N tokens - time to generate 1), median of 3 after a warm-up, batch 1.")
+    elif conv["model_type"] == "deepseek_v3" and settings.attention in ("stock", "both"):
         report["notes"].append(
             "`converted` decodes with transformers' stock DeepseekV3Attention: it caches the latent but "
             "re-expands the whole cache into per-head keys and values with kv_b_proj at every step, so its cost "
@@ -246,12 +265,13 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
             "transmla_tool.runtime.absorbed (kv_b_proj folded into the query and output, attention over the "
             "latent), the computation serving engines' MLA kernels do."
         )
-    report["notes"].append(
-        f"Decode speed: median of {settings.new_tokens} timed greedy steps after {settings.warmup_tokens} "
-        "untimed warm-up steps, batch 1; peak memory covers the prefill and the decode."
-    )
+    if settings.engine == "transformers":
+        report["notes"].append(
+            f"Decode speed: median of {settings.new_tokens} timed greedy steps after {settings.warmup_tokens} "
+            "untimed warm-up steps, batch 1; peak memory covers the prefill and the decode.")
     report["settings"] = {k: v for k, v in asdict(settings).items() if k != "progress"}
     report["environment"] = {
+        "engine": settings.engine if settings.engine == "transformers" else f"vllm {conv['engine']['version']}",
         "device": str(device), "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": torch.get_num_threads(),
         "wall_time_s": round(seconds, 1),
