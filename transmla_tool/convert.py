@@ -339,10 +339,10 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
     layers = SourceLayers(source, geometry, device)
     first = 0
     if resumed is None:
-        embed = source.get(EMBED)
+        embed = source.get(EMBED, dtype=None)  # as stored: a 128K-vocabulary fp32 copy would be 2 GB more
         for t in targets:
             t.writer.add_part("embed", {EMBED: embed})
-        hidden = embed[ids].to(device)  # (N, L, d) fp32: the calibration windows' residual stream
+        hidden = embed[ids].float().to(device)  # (N, L, d) fp32: the calibration windows' residual stream
         del embed
         if method.calib_inputs == "converted":
             for t in targets:
@@ -445,7 +445,7 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
             _save_resume(settings, targets, ids, hidden, i + 1)
 
     final_norm = source.get(FINAL_NORM)
-    head = source.get(LM_HEAD) if source.has(LM_HEAD) else source.get(EMBED)  # tied source: untie
+    head = source.get(LM_HEAD if source.has(LM_HEAD) else EMBED, dtype=None)  # tied source: untie
     for t in targets:
         t.writer.add_part("final", {FINAL_NORM: final_norm, LM_HEAD: head})
         with stage("assemble shards"):

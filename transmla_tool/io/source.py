@@ -37,13 +37,16 @@ class CheckpointSource:
     def has(self, name: str) -> bool:
         return name in self.names()
 
-    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """The tensor, cast to `dtype` (None: as stored, e.g. to pass a bf16 embedding through without a
+        2x larger fp32 copy)."""
         if not self.has(name):
             raise UserError(
                 f"tensor '{name}' is missing from {self.location}; the checkpoint is incomplete or not "
                 "of the architecture its config claims"
             )
-        return self._load(name).to(dtype)
+        tensor = self._load(name)
+        return tensor if dtype is None else tensor.to(dtype)
 
     def get_optional(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         return self.get(name, dtype) if self.has(name) else None
