@@ -10,7 +10,8 @@ process (`transmla-tool convert --method closed-form`), so its memory is its own
 /proc/<pid>/status every 0.1 s and reports the peak of VmRSS (everything resident), RssAnon (the
 process's own allocations) and RssFile (pages of mapped files: safetensors shards that are being
 read count here while they are mapped), plus the child's own VmHWM (the kernel's exact peak RSS),
-and on a GPU the allocator peak. Stage times come from the conversion's stage_seconds.
+and on a GPU the allocator peak. Per-stage seconds and peak RSS (the kernel peak, reset per stage)
+come from the conversion summary (`stages`).
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def main() -> None:
         "peak_mb_sampled": {k: round(v, 1) for k, v in sampler.peak.items()},
         "peak_rss_mb_child_reported": summary["peak_rss_mb"],
         "peak_gpu_mb": summary.get("peak_gpu_mb"),
-        "stage_seconds": summary["stage_seconds"],
+        "stages": summary["stages"],
         "torch": torch.__version__, "threads": torch.get_num_threads(),
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -129,6 +129,10 @@ def test_output_files(make_model, convert_tiny):
     card = (out / "README.md").read_text()
     assert "12" in card and "latent" in card and summary["version"] in card
     assert not list(out.parent.glob(".*partial*"))
+    stages = summary["stages"]
+    assert {"read layer", "statistics", "factorize", "write", "assemble shards"} <= set(stages)
+    assert all(v["seconds"] >= 0 and v["peak_rss_mb"] > 0 for v in stages.values())
+    assert summary["peak_rss_mb"] >= max(v["peak_rss_mb"] for v in stages.values())
 
 
 def test_streams_one_layer_at_a_time(make_model, convert_tiny, monkeypatch):

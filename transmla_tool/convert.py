@@ -40,24 +40,64 @@ DEFAULT_CALIB_DATA = "wikitext:wikitext-2-raw-v1@train"
 
 
 class Stages:
-    """Wall seconds per conversion stage (summed over layers), for conversion.json and benchmarks."""
+    """Wall seconds and peak memory per conversion stage (summed / maxed over layers).
+
+    Peak memory per stage: the kernel's peak RSS (VmHWM), reset at the start of each stage through
+    /proc/self/clear_refs (Linux; absent elsewhere), and on a GPU the allocator's peak."""
 
     def __init__(self, device: torch.device | None = None):
         self.seconds: dict[str, float] = {}
+        self.peak_rss_mb: dict[str, float] = {}
+        self.peak_gpu_mb: dict[str, float] = {}
+        self.overall_rss_mb = 0.0
         self.device = device
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        cuda = self.device is not None and self.device.type == "cuda"
+        self.overall_rss_mb = max(self.overall_rss_mb, _vm_hwm_mb() or 0.0)
+        _reset_rss_peak()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
-            if self.device is not None and self.device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(self.device)
+                gpu = torch.cuda.max_memory_allocated(self.device) / 2**20
+                self.peak_gpu_mb[name] = max(self.peak_gpu_mb.get(name, 0.0), gpu)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            rss = _vm_hwm_mb()
+            if rss is not None:
+                self.peak_rss_mb[name] = max(self.peak_rss_mb.get(name, 0.0), rss)
+                self.overall_rss_mb = max(self.overall_rss_mb, rss)
 
     def as_dict(self) -> dict:
-        return {k: round(v, 2) for k, v in self.seconds.items()}
+        return {name: {"seconds": round(sec, 2), "peak_rss_mb": round(self.peak_rss_mb.get(name, 0.0), 1),
+                       **({"peak_gpu_mb": round(self.peak_gpu_mb[name], 1)} if name in self.peak_gpu_mb else {})}
+                for name, sec in self.seconds.items()}
+
+
+def _reset_rss_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _vm_hwm_mb() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
 DISTANCE_WINDOWS = 8  # windows used for the attention-distance statistics (one at a time)
 
 
@@ -236,10 +276,11 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
                 "rope_slot_max_log_error": round(t.rope_slot_max_log_error, 6),
                 "layers": t.reports,
                 "wall_time_s": round(time.time() - start, 1),
-                "peak_rss_mb": peak_rss_mb(),
-                "peak_gpu_mb": (round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+                # the stages reset the kernel's peak RSS counter: the overall peak is the max over them
+                "peak_rss_mb": round(max(stage.overall_rss_mb, peak_rss_mb()), 1),
+                "peak_gpu_mb": (round(max(stage.peak_gpu_mb.values(), default=0.0), 1)
                                 if device.type == "cuda" else None),
-                "stage_seconds": stage.as_dict(),
+                "stages": stage.as_dict(),
             }
             with open(Path(t.staging) / "conversion.json", "w") as f:
                 json.dump(summary, f, indent=2)
