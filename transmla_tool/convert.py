@@ -26,6 +26,7 @@ from .export import attention_prefix, deepseek_config, planned_state_dict, stock
 from .io.source import open_source
 from .io.staging import RESUMABLE_MARK, check_target, staged_directory, staging_path
 from .io.writer import DEFAULT_MAX_SHARD, ShardedWriter
+from .memory import reset_rss_peak, vm_hwm_mb
 from .methods import PRESETS, Method
 from .model_card import write_model_card
 from .ops.decouple import fold_pools, match_pools, plan_rope
@@ -55,8 +56,8 @@ class Stages:
     @contextlib.contextmanager
     def __call__(self, name: str):
         cuda = self.device is not None and self.device.type == "cuda"
-        self.overall_rss_mb = max(self.overall_rss_mb, _vm_hwm_mb() or 0.0)
-        _reset_rss_peak()
+        self.overall_rss_mb = max(self.overall_rss_mb, vm_hwm_mb() or 0.0)
+        reset_rss_peak()
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
@@ -68,7 +69,7 @@ class Stages:
                 gpu = torch.cuda.max_memory_allocated(self.device) / 2**20
                 self.peak_gpu_mb[name] = max(self.peak_gpu_mb.get(name, 0.0), gpu)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-            rss = _vm_hwm_mb()
+            rss = vm_hwm_mb()
             if rss is not None:
                 self.peak_rss_mb[name] = max(self.peak_rss_mb.get(name, 0.0), rss)
                 self.overall_rss_mb = max(self.overall_rss_mb, rss)
@@ -77,25 +78,6 @@ class Stages:
         return {name: {"seconds": round(sec, 2), "peak_rss_mb": round(self.peak_rss_mb.get(name, 0.0), 1),
                        **({"peak_gpu_mb": round(self.peak_gpu_mb[name], 1)} if name in self.peak_gpu_mb else {})}
                 for name, sec in self.seconds.items()}
-
-
-def _reset_rss_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _vm_hwm_mb() -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 DISTANCE_WINDOWS = 8  # windows used for the attention-distance statistics (one at a time)
@@ -340,7 +322,7 @@ def _load_resume(settings, targets, ids) -> dict | None:
         return None
     state = json.loads(state_file.read_text())
     if state["key"] != _resume_key(settings, targets):
-        raise UserError(f"the unfinished conversion in {targets[0].staging} used other settings; rerun it with "
+        raise UserError(f"the unfinished conversion in {state_file.parent.parent} used other settings; rerun it with "
                         "the same settings, or pass --overwrite instead of --resume to start over")
     if not torch.equal(torch.load(state_file.parent / "ids.pt"), ids):
         raise UserError("the calibration text differs from the unfinished conversion's; use the same "
@@ -410,8 +392,6 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
         t.rope_slot_max_log_error = rope_error
     q_lora = targets[0].config.q_lora_rank is not None
     refine_windows = min(method.refine_windows, ids.shape[0])
-    # fp64 factorization where the model runs: a GPU does it in a fraction of the CPU's time
-    math_device = device
 
     bar = tqdm(range(first, geometry.num_layers), desc="converting layers", disable=not settings.progress,
                initial=first, total=geometry.num_layers)
@@ -436,11 +416,11 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
                                                           settings.batch_size)
                 if t.stream is None:
                     shared = (stats, plan, rotation, x_refine, y_refine)
-            with stage("factorize"):
+            with stage("factorize"):  # fp64 on the conversion device: a GPU does it in a fraction of the time
                 mla, fact = factorize(
-                    attn.to(torch.float64, math_device), stats.x_moment.to(math_device),
-                    _plan_to(plan, math_device), settings.rope_dim, t.latent_dim,
-                    nope_rotation=_rotation_to(rotation, math_device), latent_weighting=method.latent_weighting,
+                    attn.to(torch.float64, device), stats.x_moment.to(device),
+                    _plan_to(plan, device), settings.rope_dim, t.latent_dim,
+                    nope_rotation=_rotation_to(rotation, device), latent_weighting=method.latent_weighting,
                     kv_balance=method.kv_balance,
                 )
                 mla = mla.to(torch.float64, "cpu")

@@ -8,11 +8,12 @@ mismatch (e.g. an implementation that stores expanded K/V for MLA) is reported l
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import time
 
 import torch
+
+from ..memory import reset_rss_peak, vm_hwm_mb
 
 
 def cache_tensors_bytes(cache) -> int:
@@ -54,11 +55,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                pass
+            reset_rss_peak()
         return self
 
     def __exit__(self, *exc):
@@ -66,18 +63,8 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
         else:
-            self.peak_mb = _vm_hwm_mb()
+            self.peak_mb = vm_hwm_mb()
         return False
-
-
-def _vm_hwm_mb() -> float | None:
-    if not os.path.exists("/proc/self/status"):
-        return None
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return None
 
 
 @torch.no_grad()
