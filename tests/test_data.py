@@ -55,3 +55,67 @@ def test_bad_sources(files, tmp_path):
     odd.write_text("a,b")
     with pytest.raises(UserError, match="unsupported data file"):
         list(iter_documents(str(odd)))
+
+
+def test_mix_spec_parsing(files, tmp_path):
+    from transmla_tool.data import parse_mix
+
+    assert parse_mix(str(files["txt"])) == [(str(files["txt"]), 1.0)]
+    assert parse_mix(f"{files['txt']}=3,{files['lines']}") == [(str(files["txt"]), 3.0), (str(files["lines"]), 1.0)]
+    assert parse_mix("org/web:cfg@train=0.5,org/code") == [("org/web:cfg@train", 0.5), ("org/code", 1.0)]
+    for bad, message in ((f"{files['txt']}=x", "is not a number"), (f"{files['txt']}=0", "must be positive"),
+                         (f"{files['txt']},,{files['lines']}", "empty entry")):
+        with pytest.raises(UserError, match=message):
+            parse_mix(bad)
+
+
+def _word_files(tmp_path):
+    """Two sources of different letters (a window's source is visible in its ids) and the ids only
+    each one uses."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("\n\n".join(" ".join(["aaaa"] * 40) for _ in range(30)))
+    b.write_text("\n\n".join(" ".join(["zzzz"] * 40) for _ in range(30)))
+    return a, b
+
+
+def _source_of(window, tokenizer, a, b) -> str:
+    ids = set(window.tolist()) - {tokenizer.eos_token_id, tokenizer.bos_token_id}
+    in_a = set(tokenizer(a.read_text()[:500]).input_ids)
+    in_b = set(tokenizer(b.read_text()[:500]).input_ids)
+    assert ids <= in_a or ids <= in_b, "a window straddles two sources"
+    return "a" if ids & (in_a - in_b) else "b"
+
+
+def test_mix_takes_weighted_shares_interleaved(tmp_path, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    a, b = _word_files(tmp_path)
+    windows = token_windows(f"{a}=3,{b}=1", tokenizer, 16, max_windows=12)
+    sources = [_source_of(w, tokenizer, a, b) for w in windows]
+    assert sources.count("a") == 9 and sources.count("b") == 3
+    # interleaved, not one source after the other: every run of 4 holds a 'b'
+    assert all("b" in sources[i:i + 4] for i in range(0, 12, 4))
+    with pytest.raises(UserError, match="fewer than its share"):
+        token_windows(f"{a}=1,{b}=1", tokenizer, 16, max_windows=10_000)
+
+
+def test_mix_stream_for_training_restarts_each_source(tmp_path, tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from transmla_tool.data import iter_mixed_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    a, b = _word_files(tmp_path)
+    single = sum(1 for _ in iter_mixed_windows(str(b), tokenizer, 16))
+    stream = iter_mixed_windows(f"{a}=1,{b}=1", tokenizer, 16)
+    taken = [next(stream) for _ in range(4 * single)]  # twice through b: it must have started over
+    assert [_source_of(w, tokenizer, a, b) for w in taken].count("b") == 2 * single
+
+
+def test_chat_and_code_rows(tmp_path):
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                             {"role": "assistant", "content": "Hello"}]}) + "\n"
+                    + json.dumps({"content": "def f():\n    return 1"}) + "\n")
+    assert list(iter_documents(str(chat))) == ["user: Hi\nassistant: Hello", "def f():\n    return 1"]

@@ -1,4 +1,5 @@
-"""Serving engines run our output: vLLM (its CPU build, in its own venv). Marked `engines`.
+"""Serving engines run our output: vLLM (its CPU build, in its own venv) and llama.cpp (its own
+tools, on the GGUF `transmla-tool export-gguf` writes). Marked `engines`.
 
 Installed by `make engines` (cached outside the work tree). Without it these tests skip, unless
 TRANSMLA_REQUIRE_ENGINES=1 (CI sets it), where a missing engine is a failure.
@@ -80,7 +81,6 @@ def _prompts_and_windows(model_dir, text_file, window: int, count: int = 4):
 def smollm2_320(tmp_path_factory):
     from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
 
-    _vllm_or_skip()
     model_dir, gguf = smollm2_gguf()
     root = tmp_path_factory.mktemp("engines")
     calib, heldout = split_documents(lee_corpus(), root / "data")
@@ -96,6 +96,7 @@ def smollm2_320(tmp_path_factory):
 
 @pytest.mark.slow
 def test_vllm_serves_smollm2_through_mla(smollm2_320):
+    _vllm_or_skip()
     outputs, heldout = smollm2_320
     prompts, windows = _prompts_and_windows(outputs["padded-576"], heldout, 256)
     result = _check_vllm(outputs["padded-576"], prompts, windows, env={})
@@ -106,6 +107,7 @@ def test_vllm_serves_smollm2_through_mla(smollm2_320):
 
 @pytest.mark.slow
 def test_vllm_serves_smollm2_320_without_mla(smollm2_320):
+    _vllm_or_skip()
     outputs, heldout = smollm2_320
     prompts, windows = _prompts_and_windows(outputs["320"], heldout, 256)
     _check_vllm(outputs["320"], prompts, windows, env={"VLLM_MLA_DISABLE": "1"})
@@ -152,3 +154,119 @@ def test_eval_in_vllm(trained_model, text_file, tmp_path):
     assert not cache["warnings"] and min(engine["decode_tokens_per_s"]["192"].values()) > 0
     assert "vllm" in engine["environment"]["engine"]
     assert "Measured in vLLM" in (tmp_path / "vllm" / "report.md").read_text()
+
+
+# --- llama.cpp -------------------------------------------------------------------------------------
+
+def _llamacpp_or_skip():
+    from transmla_tool.engines.llamacpp import llama_cpp_bin
+
+    try:
+        return llama_cpp_bin("llama-perplexity")
+    except UserError as exc:
+        if os.environ.get("TRANSMLA_REQUIRE_ENGINES") == "1":
+            raise
+        pytest.skip(str(exc))
+
+
+def _check_llamacpp(model_dir, gguf_file, text_file, ctx: int, chunks: int, prompt: str, flags=()) -> dict:
+    """llama.cpp on our GGUF vs transformers on the checkpoint: perplexity computed the same way
+    (llama-perplexity's chunks, second half scored) within 0.5%, and the same greedy text (llama-simple
+    takes no rope flags, so a GGUF that needs them is checked on perplexity only)."""
+    from transmla_tool.engines.llamacpp import greedy_text, perplexity, reference_perplexity
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = open(text_file).read()
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+    engine = perplexity(gguf_file, text_file, ctx, chunks, list(flags))
+    assert engine["chunks"] == chunks
+    reference = reference_perplexity(model, ids, ctx, chunks)
+    assert abs(engine["perplexity"] / reference - 1) < PPL_TOLERANCE, (reference, engine)
+    if flags:
+        print(f"{gguf_file}: perplexity transformers {reference:.4f}, llama.cpp {engine['perplexity']:.4f} with {flags}")
+        return engine
+    prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(prompt_ids, max_new_tokens=GREEDY_TOKENS, do_sample=False)
+    expected = tokenizer.decode(out[0], skip_special_tokens=True)
+    assert greedy_text(gguf_file, prompt, GREEDY_TOKENS) == expected + "\n"  # llama-simple ends with a newline
+    print(f"{gguf_file}: perplexity transformers {reference:.4f}, llama.cpp {engine['perplexity']:.4f}; greedy "
+          f"{out.shape[1] - prompt_ids.shape[1]} tokens equal; KV cache {engine['kv_bytes_per_token_per_layer']:.1f} "
+          "bytes per token per layer")
+    return engine
+
+
+@pytest.mark.slow
+def test_llamacpp_serves_smollm2_f32_and_q8_0(smollm2_320, tmp_path):
+    """SmolLM2 at 256 + 64 = 320 of 384: the exported f32 GGUF equals transformers; Q8_0 stays within
+    2% of f32 when attn_kv_a_mqa is kept (llama-quantize --tensor-type, or export-gguf --outtype q8_0),
+    and a plain Q8_0 of the whole file is what breaks without it."""
+    from transmla_tool.engines.llamacpp import perplexity, quantize
+    from transmla_tool.gguf_export import GGUFSettings, export_gguf
+
+    _llamacpp_or_skip()
+    outputs, heldout = smollm2_320
+    f32 = tmp_path / "smollm2-320-f32.gguf"
+    export_gguf(GGUFSettings(checkpoint=str(outputs["320"]), output=str(f32)))
+    base = _check_llamacpp(outputs["320"], f32, heldout, 512, 4, "The Prime Minister said on Tuesday that")
+    assert base["kv_bytes_per_token_per_layer"] == pytest.approx(320 * 2, abs=2)  # f16 cache of latent + rope
+    kept = tmp_path / "q8_0-kept.gguf"
+    quantize(f32, kept, "Q8_0", keep={"attn_kv_a_mqa": "bf16"})
+    own = tmp_path / "q8_0-export.gguf"
+    export_gguf(GGUFSettings(checkpoint=str(outputs["320"]), output=str(own), outtype="q8_0"))
+    plain = tmp_path / "q8_0-plain.gguf"
+    quantize(f32, plain, "Q8_0")
+    ppl = {p.name: perplexity(p, heldout, 512, 4)["perplexity"] for p in (kept, own, plain)}
+    print(f"llama.cpp perplexity f32 {base['perplexity']:.4f}, " + ", ".join(f"{k} {v:.4f}" for k, v in ppl.items()))
+    assert abs(ppl[kept.name] / base["perplexity"] - 1) < 0.02
+    assert abs(ppl[own.name] / base["perplexity"] - 1) < 0.02
+    assert ppl[plain.name] > 2 * base["perplexity"]
+
+
+@pytest.mark.parametrize("family,kwargs,target", [
+    ("llama", dict(kv_heads=2), "transformers"),
+    ("llama", dict(kv_heads=1), "transformers"),
+    ("mistral", dict(kv_heads=2), "transformers"),
+    ("llama", dict(kv_heads=2, rope_scaling=True), "vllm"),  # Llama-3 scaling written as DeepSeek YaRN
+])
+def test_llamacpp_serves_tiny_families(trained_model, text_file, tmp_path, family, kwargs, target):
+    """Tiny trained models, vocabulary built from tokenizer.json (--tokenizer-pre gpt-2): llama.cpp's
+    perplexity and greedy text equal transformers'."""
+    from transmla_tool.gguf_export import GGUFSettings, export_gguf
+
+    _llamacpp_or_skip()
+    src = trained_model(family, heads=4, head_dim=32, hidden=128, **kwargs)
+    out = tmp_path / "mla"
+    convert(ConvertSettings(model=str(src), output=str(out), latent_dim=48, rope_dim=16, calib_data=str(text_file),
+                            calib_samples=8, calib_seq_len=64, dtype="float32", device="cpu", progress=False,
+                            method=PRESETS["closed-form"], target=target,
+                            pad_latent_to=304 if target == "vllm" else 0))  # vllm: latent + rope must be 320
+    gguf_file = tmp_path / "mla.gguf"
+    flags = export_gguf(GGUFSettings(checkpoint=str(out), output=str(gguf_file), tokenizer_pre="gpt-2"))["run_flags"]
+    assert bool(flags) == kwargs.get("rope_scaling", False)  # the fitted YaRN ramp must be passed at run time
+    _check_llamacpp(out, gguf_file, text_file, 64, 4, "The river", flags)
+
+
+def test_eval_in_llamacpp(tmp_path):
+    """`eval --engine llamacpp` on SmolLM2 (the original GGUF as shipped, the converted checkpoint
+    exported on the fly): the KV cache llama.cpp allocates is 384 vs latent + rope values."""
+    from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
+    from transmla_tool.evaluate.run import EvalSettings, run_eval
+
+    _llamacpp_or_skip()
+    model_dir, gguf = smollm2_gguf()
+    calib, heldout = split_documents(lee_corpus(), tmp_path / "data")
+    out = tmp_path / "mla"
+    convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(out), latent_dim=64, rope_dim=64,
+                            calib_data=str(calib), calib_samples=4, calib_seq_len=128, dtype="float32", device="cpu",
+                            progress=False, method=PRESETS["closed-form"], target="transformers"))
+    report = run_eval(EvalSettings(original=model_dir, gguf_file=gguf, converted=str(out), data=str(heldout),
+                                   output_dir=str(tmp_path / "report"), engine="llamacpp", seq_len=256,
+                                   max_tokens=1024, contexts=[256], new_tokens=4, device="cpu", dtype="float32",
+                                   progress=False))
+    assert report["kv_cache"]["measured_values_per_token_per_layer"]["256"] == {"original": 384, "converted": 128}
+    assert not report["kv_cache"]["warnings"]
+    assert report["perplexity"]["original"] > 1 and report["perplexity"]["converted"] > report["perplexity"]["original"]
+    assert min(report["decode_tokens_per_s"]["256"].values()) > 0
+    assert "Measured in llama.cpp" in (tmp_path / "report" / "report.md").read_text()

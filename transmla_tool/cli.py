@@ -122,6 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
+    p = sub.add_parser("export-gguf", help="write a converted checkpoint as a llama.cpp GGUF (deepseek2)")
+    p.add_argument("checkpoint", help="directory written by `transmla-tool convert` (or heal)")
+    p.add_argument("--output", required=True, help="the .gguf file to write")
+    p.add_argument("--outtype", default="f32", choices=["f32", "bf16", "f16", "q8_0"],
+                   help="tensor type; attn_kv_a_mqa stays f32 (bf16 in a bf16 file) whatever this says")
+    p.add_argument("--tokenizer-gguf", default=None,
+                   help="copy the tokenizer from this GGUF (default: the source GGUF the checkpoint was converted from)")
+    p.add_argument("--tokenizer-pre", default=None,
+                   help="build the vocabulary from tokenizer.json with this llama.cpp pre-tokenizer name "
+                   "(llama-bpe, qwen2, smollm, gpt-2, ...)")
+    p.add_argument("--overwrite", action="store_true")
+
     p = sub.add_parser("demo", help="convert the bundled SmolLM2-135M and compare it with the original")
     p.add_argument("--output-dir", default="demo_out")
     p.add_argument("--latent-dim", type=int, default=128)
@@ -148,8 +160,8 @@ def _add_eval_args(p: argparse.ArgumentParser, with_bench: bool = True) -> None:
     p.add_argument("--contexts", default="1024,4096", help="comma-separated context lengths for cache/speed")
     p.add_argument("--new-tokens", type=int, default=16, help="timed greedy tokens decoded after each context")
     p.add_argument("--warmup-tokens", type=int, default=2, help="untimed decode steps before the timed ones")
-    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
-                   help="run both models in transformers, or in vLLM (its own venv, `make engines`): perplexity, the "
+    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm", "llamacpp"],
+                   help="run both models in transformers, in vLLM (its own venv) or in llama.cpp (its tools; `make engines` installs both): perplexity, the "
                    "KV cache it allocates and decode speed measured inside the engine")
     p.add_argument("--attention", default="both", choices=["stock", "absorbed", "both"],
                    help="converted model's decode path: transformers' stock attention, the absorbed MLA runtime "
@@ -266,7 +278,24 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"convert": cmd_convert, "eval": cmd_eval, "sweep": cmd_sweep, "heal": cmd_heal, "demo": cmd_demo}
+def cmd_export_gguf(args) -> int:
+    from .gguf_export import GGUFSettings, export_gguf
+
+    result = export_gguf(GGUFSettings(
+        checkpoint=args.checkpoint, output=args.output, outtype=args.outtype, tokenizer_gguf=args.tokenizer_gguf,
+        tokenizer_pre=args.tokenizer_pre, overwrite=args.overwrite,
+    ))
+    print(f"wrote {result['output']} ({result['tensors']} tensors, {result['bytes'] / 2**20:.0f} MiB, "
+          f"{result['outtype']}; tokenizer from {result['tokenizer']})")
+    print(f"to quantize for llama.cpp / ollama keep the latent projection precise:\n  {result['quantize']}")
+    if result["run_flags"]:
+        print("llama.cpp ignores this GGUF's YaRN ramp keys for deepseek2; run it with:\n  "
+              + " ".join(result["run_flags"]))
+    return 0
+
+
+COMMANDS = {"convert": cmd_convert, "eval": cmd_eval, "sweep": cmd_sweep, "heal": cmd_heal, "demo": cmd_demo,
+            "export-gguf": cmd_export_gguf}
 
 
 def expand_config(argv: list[str]) -> list[str]:

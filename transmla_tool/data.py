@@ -3,6 +3,9 @@ fixed-length token windows.
 
 A data spec is either a local path (.txt, .jsonl/.json, .parquet) or a hub dataset written
 `NAME[:CONFIG][@SPLIT]`, e.g. `wikitext:wikitext-2-raw-v1@test` (streamed, never fully loaded).
+A mix is several specs joined by commas, each optionally weighted `SPEC=WEIGHT`
+(`news.jsonl=2,code.jsonl=1`): windows are packed per source (a window never straddles two
+sources), taken in proportion to the weights and interleaved, so every batch sees every source.
 """
 
 from __future__ import annotations
@@ -59,11 +62,24 @@ def _iter_dataset(name, config, split, text_field, data_files=None) -> Iterator[
     except Exception as exc:  # missing dataset, no network, bad split: all reported the same way
         raise UserError(f"cannot load dataset '{name}' ({type(exc).__name__}: {exc})") from exc
     for row in ds:
-        if text_field not in row:
-            raise UserError(f"dataset '{name}' has no '{text_field}' column (columns: {', '.join(row)})")
-        text = row[text_field]
-        if text and text.strip():
+        text = _row_text(row, text_field)
+        if text is None:
+            raise UserError(f"dataset '{name}' has no '{text_field}' column (columns: {', '.join(row)}); "
+                            "pass --text-field")
+        if text.strip():
             yield text
+
+
+def _row_text(row: dict, text_field: str) -> str | None:
+    """The text of a row: the text field; else, when the field is the default 'text', a code
+    dataset's 'content' or a chat dataset's 'messages'/'conversations' turns, one per line."""
+    value = row.get(text_field)
+    if value is None and text_field == "text":
+        value = next((row[k] for k in ("content", "messages", "conversations") if row.get(k) is not None), None)
+    if isinstance(value, list):  # chat turns: [{"role": ..., "content": ...}] or ShareGPT {"from", "value"}
+        value = "\n".join(f"{turn.get('role', turn.get('from', ''))}: {turn.get('content', turn.get('value', ''))}"
+                          if isinstance(turn, dict) else str(turn) for turn in value)
+    return value if value is None else str(value)
 
 
 def tokenizer_adds_bos(tokenizer) -> bool:
@@ -90,17 +106,111 @@ def iter_token_windows(docs, tokenizer, seq_len: int) -> Iterator[torch.Tensor]:
             buffer = buffer[body:]
 
 
+def parse_mix(spec: str) -> list[tuple[str, float]]:
+    """[(source spec, weight)] of a data spec; a single source has weight 1."""
+    if Path(spec).exists():
+        return [(spec, 1.0)]
+    mix = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            raise UserError(f"data mix '{spec}' has an empty entry; write SPEC[=WEIGHT],SPEC[=WEIGHT]")
+        source, sep, weight = part.rpartition("=")
+        if not sep:
+            mix.append((part, 1.0))
+            continue
+        try:
+            value = float(weight)
+        except ValueError:
+            raise UserError(f"data mix entry '{part}': weight '{weight}' is not a number") from None
+        if not value > 0:
+            raise UserError(f"data mix entry '{part}': the weight must be positive")
+        mix.append((source, value))
+    return mix
+
+
+def _quotas(weights: list[float], total: int) -> list[int]:
+    """Split total items by weight (largest remainder), every source at least one."""
+    if total < len(weights):
+        raise UserError(f"{total} windows cannot cover a mix of {len(weights)} sources; ask for more windows")
+    shares = [w / sum(weights) * total for w in weights]
+    counts = [max(1, int(s)) for s in shares]
+    for i in sorted(range(len(weights)), key=lambda i: int(shares[i]) - shares[i]):
+        if sum(counts) >= total:
+            break
+        counts[i] += 1
+    while sum(counts) > total:
+        counts[counts.index(max(counts))] -= 1
+    return counts
+
+
+def _weighted_order(weights: list[float]) -> Iterator[int]:
+    """Source indices in smooth weighted round-robin order (weights 2:1 give 0,1,0,0,1,0...)."""
+    credit = [0.0] * len(weights)
+    while True:
+        for i, w in enumerate(weights):
+            credit[i] += w
+        best = max(range(len(weights)), key=credit.__getitem__)
+        credit[best] -= sum(weights)
+        yield best
+
+
 def token_windows(spec: str, tokenizer, seq_len: int, max_windows: int | None = None,
                   text_field: str = "text", min_windows: int = 1) -> torch.Tensor:
-    """(N, seq_len) token ids from a data spec; at most max_windows windows."""
-    windows = []
-    for window in iter_token_windows(iter_documents(spec, text_field), tokenizer, seq_len):
-        windows.append(window)
-        if max_windows is not None and len(windows) >= max_windows:
-            break
+    """(N, seq_len) token ids from a data spec or mix; at most max_windows windows (for a mix, each
+    source's share of them, interleaved; without max_windows all of every source)."""
+    mix = parse_mix(spec)
+    if len(mix) == 1:
+        windows = _take(mix[0][0], tokenizer, seq_len, max_windows, text_field)
+    else:
+        counts = _quotas([w for _, w in mix], max_windows) if max_windows is not None else [None] * len(mix)
+        parts = [_take(source, tokenizer, seq_len, n, text_field) for (source, _), n in zip(mix, counts)]
+        for (source, _), part, n in zip(mix, parts, counts):
+            if n is not None and len(part) < n:
+                raise UserError(f"{source} yields {len(part)} windows of {seq_len} tokens, fewer than its share "
+                                f"of the mix ({n}); give it more text or a smaller weight")
+        order = _weighted_order([len(p) for p in parts])
+        cursors = [0] * len(parts)
+        windows = []
+        while len(windows) < sum(map(len, parts)):
+            i = next(order)
+            if cursors[i] < len(parts[i]):
+                windows.append(parts[i][cursors[i]])
+                cursors[i] += 1
     if len(windows) < min_windows:
         raise UserError(
             f"{spec} yields {len(windows)} windows of {seq_len} tokens, fewer than the {min_windows} "
             "needed; use more text or a shorter sequence length"
         )
     return torch.stack(windows)
+
+
+def _take(spec: str, tokenizer, seq_len: int, max_windows: int | None, text_field: str) -> list[torch.Tensor]:
+    windows = []
+    for window in iter_token_windows(iter_documents(spec, text_field), tokenizer, seq_len):
+        windows.append(window)
+        if max_windows is not None and len(windows) >= max_windows:
+            break
+    return windows
+
+
+def iter_mixed_windows(spec: str, tokenizer, seq_len: int, text_field: str = "text") -> Iterator[torch.Tensor]:
+    """Windows of a data spec; for a mix, an endless weighted interleave in which each source starts
+    over when it runs out (a single source is read once)."""
+    mix = parse_mix(spec)
+    if len(mix) == 1:
+        yield from iter_token_windows(iter_documents(spec, text_field), tokenizer, seq_len)
+        return
+
+    def endless(source):
+        while True:
+            empty = True
+            for window in iter_token_windows(iter_documents(source, text_field), tokenizer, seq_len):
+                empty = False
+                yield window
+            if empty:
+                raise UserError(f"{source} yields no window of {seq_len} tokens; use more text or a shorter "
+                                "sequence length")
+
+    streams = [endless(source) for source, _ in mix]
+    for i in _weighted_order([w for _, w in mix]):
+        yield next(streams[i])

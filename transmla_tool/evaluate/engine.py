@@ -17,7 +17,7 @@ from ..errors import UserError
 from .cache import cached_values_per_token_per_layer
 from .run import context_ids
 
-ENGINES = ("transformers", "vllm")
+ENGINES = ("transformers", "vllm", "llamacpp")
 
 
 def _as_directory(path: str, gguf_file: str | None, tmp: str) -> str:
@@ -80,3 +80,71 @@ def evaluate_in_vllm(name: str, path: str, gguf_file: str | None, settings, wind
                             "warmup_steps": 1, "peak_memory_mb": None}},
         }
     return out
+
+
+def evaluate_in_llamacpp(name: str, path: str, gguf_file: str | None, settings, windows, tokenizer, tmp: str) -> dict:
+    """One model measured in llama.cpp's tools. The original must be a GGUF (llama.cpp reads nothing
+    else); the converted checkpoint is exported with `export-gguf` (f32 for a float32 eval, else bf16).
+    Perplexity: llama-perplexity over the windows' text, one chunk per window (it scores the second
+    half of each chunk); KV cache: the bytes llama-perplexity allocated per token per layer; decode:
+    llama-bench tokens/s generating new_tokens after each context (mean of 3)."""
+    from transformers import AutoConfig
+
+    from ..engines.llamacpp import decode_speed, perplexity
+    from ..gguf_export import GGUFSettings, export_gguf
+
+    if not settings.gguf_file:
+        raise UserError("--engine llamacpp reads the original as a GGUF: pass --original DIR --gguf-file FILE (make one "
+                        "with llama.cpp's convert_hf_to_gguf.py)")
+    if gguf_file:
+        model_file, config = Path(path) / gguf_file, AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+    else:
+        outtype = "f32" if settings.dtype in ("float32", "auto") else "bf16"
+        model_file = Path(tmp) / f"{name}-{outtype}.gguf"
+        export_gguf(GGUFSettings(checkpoint=path, output=str(model_file), outtype=outtype,
+                                 tokenizer_gguf=str(Path(settings.original) / settings.gguf_file)))
+        config = AutoConfig.from_pretrained(path)
+    text = Path(tmp) / "windows.txt"
+    if not text.exists():
+        text.write_text(tokenizer.decode(windows.reshape(-1).tolist(), skip_special_tokens=True))
+    ppl = perplexity(model_file, text, settings.seq_len, len(windows))
+    layers = config.num_hidden_layers
+    per_token_layer = cached_values_per_token_per_layer(config)
+    out = {
+        "model": path if not gguf_file else f"{path}/{gguf_file}",
+        "model_type": config.model_type,
+        "parameters": None,
+        "values_per_token_per_layer": per_token_layer,
+        "num_layers": layers,
+        "engine": {"name": "llama.cpp", "version": "llama-cpp-python 0.3.36 sdist", "gguf": str(model_file),
+                   "file_type": _gguf_file_type(model_file),
+                   "kv_cache": {k: ppl[k] for k in ("kv_cache_mib", "kv_cells", "kv_layers",
+                                                     "kv_bytes_per_token_per_layer")}},
+        "perplexity": {"perplexity": ppl["perplexity"], "nll_per_token": math.log(ppl["perplexity"]),
+                       "tokens": ppl["chunks"] * (settings.seq_len - 1 - settings.seq_len // 2)},
+        "contexts": {},
+    }
+    element = 2  # llama.cpp caches f16 by default
+    # llama.cpp prints the cache size in MiB with two decimals: round to whole values per token per layer
+    values = round(ppl["kv_bytes_per_token_per_layer"] / element)
+    for length in settings.contexts:
+        speed = decode_speed(model_file, length, settings.new_tokens)
+        out["engine"]["build"] = speed["build"]
+        out["contexts"][str(length)] = {
+            "context": length,
+            "measured_bytes": values * element * layers * length,
+            "analytic_bytes": per_token_layer * layers * length * element,
+            "measured_values_per_token_per_layer": values,
+            "analytic_values_per_token_per_layer": per_token_layer,
+            "decode": {"": {"tokens_per_s": speed["tokens_per_s"], "step_ms_median": None, "step_ms_mean":
+                            1e3 / speed["tokens_per_s"], "gpu_kernel_ms_per_step": None, "steps": settings.new_tokens,
+                            "warmup_steps": 1, "peak_memory_mb": None}},
+        }
+    return out
+
+
+def _gguf_file_type(path) -> str:
+    import gguf
+
+    field = gguf.GGUFReader(path).fields.get("general.file_type")
+    return gguf.LlamaFileType(int(field.contents())).name if field else "unknown"

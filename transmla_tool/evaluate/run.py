@@ -167,8 +167,8 @@ def run_eval(settings: EvalSettings) -> dict:
         raise UserError("--contexts must be positive token counts")
     if settings.attention not in ATTENTION_MODES:
         raise UserError(f"--attention must be one of {', '.join(ATTENTION_MODES)}, got {settings.attention}")
-    if settings.engine not in ("transformers", "vllm"):
-        raise UserError(f"--engine must be transformers or vllm, got {settings.engine}")
+    if settings.engine not in ("transformers", "vllm", "llamacpp"):
+        raise UserError(f"--engine must be transformers, vllm or llamacpp, got {settings.engine}")
     if settings.new_tokens < 1 or settings.warmup_tokens < 0:
         raise UserError("--new-tokens must be >= 1 and --warmup-tokens >= 0")
     tokenizer = load_tokenizer(settings.original, settings.gguf_file)
@@ -184,6 +184,17 @@ def run_eval(settings: EvalSettings) -> dict:
             "original": evaluate_in_vllm("original", settings.original, settings.gguf_file, settings, windows, dtype),
             "converted": evaluate_in_vllm("converted", settings.converted, None, settings, windows, dtype),
         }
+    elif settings.engine == "llamacpp":
+        import tempfile
+
+        from .engine import evaluate_in_llamacpp
+
+        if settings.tasks:
+            raise UserError("--tasks (lm-eval) runs through transformers; drop --tasks or --engine llamacpp")
+        with tempfile.TemporaryDirectory() as tmp:
+            results = {k: evaluate_in_llamacpp(k, path, gguf, settings, windows, tokenizer, tmp)
+                       for k, path, gguf in (("original", settings.original, settings.gguf_file),
+                                             ("converted", settings.converted, None))}
     else:
         results = {
             "original": evaluate_model("original", settings.original, settings.gguf_file, settings, windows,
@@ -238,8 +249,8 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
             measured, analytic = cache["measured_bytes"][ctx][k], cache["analytic_bytes"][ctx][k]
             if measured != analytic:
                 cache["warnings"].append(
-                    f"{k} model at context {ctx}: the transformers cache holds {measured} bytes but the "
-                    f"architecture needs {analytic}; the installed transformers does not store the "
+                    f"{k} model at context {ctx}: the {settings.engine} cache holds {measured} bytes but the "
+                    f"architecture needs {analytic}; the installed {settings.engine} does not store the "
                     "compressed cache this format allows, and the measured number is what it really holds"
                 )
     if "lm_eval" in orig:
@@ -257,6 +268,14 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
             f"Measured in vLLM {conv['engine']['version']}: perplexity from its prompt logprobs; KV cache = the bytes "
             "per token per layer of the cache tensors it allocated x layers x context; decode tokens/s = N / "
             "(time to generate 1 + N tokens - time to generate 1), median of 3 after a warm-up, batch 1.")
+    elif settings.engine == "llamacpp":
+        report["notes"].append(
+            f"Measured in llama.cpp ({conv['engine']['version']}): the original GGUF as given "
+            f"({orig['engine']['file_type']}), the converted checkpoint exported by `transmla-tool export-gguf` "
+            f"({conv['engine']['file_type']}; decode speed compares these types); perplexity from "
+            "llama-perplexity with one chunk per window (it scores the second half of each chunk, so it is not the "
+            "transformers number); KV cache = the bytes per token per layer llama-perplexity allocated (f16 cache) x "
+            "layers x context; decode tokens/s from llama-bench (N tokens after the context, mean of 3).")
     elif conv["model_type"] == "deepseek_v3" and settings.attention in ("stock", "both"):
         report["notes"].append(
             "`converted` decodes with transformers' stock DeepseekV3Attention: it caches the latent but "
@@ -271,7 +290,8 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
             "untimed warm-up steps, batch 1; peak memory covers the prefill and the decode.")
     report["settings"] = {k: v for k, v in asdict(settings).items() if k != "progress"}
     report["environment"] = {
-        "engine": settings.engine if settings.engine == "transformers" else f"vllm {conv['engine']['version']}",
+        "engine": (settings.engine if settings.engine == "transformers"
+                   else f"{conv['engine']['name']} {conv['engine']['version']}"),
         "device": str(device), "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": torch.get_num_threads(),
         "wall_time_s": round(seconds, 1),

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..data import iter_documents, iter_token_windows
+from ..data import iter_mixed_windows
 from ..errors import UserError
 
 
@@ -33,7 +33,7 @@ def train_batches(spec: str, tokenizer, seq_len: int, batch_size: int, *, seed: 
     epoch, produced = 0, 0
     while True:
         rng = random.Random(seed + epoch)
-        windows = iter_token_windows(iter_documents(spec, text_field), tokenizer, seq_len)
+        windows = iter_mixed_windows(spec, tokenizer, seq_len, text_field)
         batch, dealt = [], 0
         for k, window in enumerate(shuffled(windows, shuffle_buffer, rng)):
             if k % num_processes != process_index:

@@ -1,0 +1,199 @@
+"""Quality on text unlike the calibration text: calibrate on one domain (or a mix), score on all.
+
+Four domains install offline (transmla_tool.assets.DOMAINS): news articles and Usenet forum posts
+from gensim's test data, Python standard-library source and Python's reference documentation. Each
+is split into calibration documents (first 75%) and held-out documents (last 25%). SmolLM2-135M is
+converted at each cache budget with each configuration, calibrated on each source, and every
+checkpoint is scored on the held-out part of every domain. A cell is perplexity(converted) /
+perplexity(original) on that domain's held-out text.
+
+Calibration sources: a domain name; `mix` (all domains, equal weights); `mix-DOMAIN` (all but one,
+to score a domain the mix never saw).
+
+    python eval/crossdomain.py --output-dir runs/crossdomain                        # full matrix
+    python eval/crossdomain.py --calib mix,mix-code --budgets 192 --configs default  # one slice
+
+Rows are appended to <output-dir>/crossdomain.jsonl (resumable); the tables (markdown) and the
+plot are rebuilt from it. Configurations are written as in eval/quality.py (`name=preset[:k=v,...]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from quality import _append, _read, parse_config  # noqa: E402
+
+from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
+from transmla_tool.convert import ConvertSettings, convert_many  # noqa: E402
+from transmla_tool.data import token_windows  # noqa: E402
+from transmla_tool.evaluate.perplexity import perplexity  # noqa: E402
+from transmla_tool.evaluate.run import load_model, load_tokenizer  # noqa: E402
+from transmla_tool.methods import resolve_method  # noqa: E402
+
+
+def calib_spec(source: str, splits: dict) -> str:
+    """The --calib-data spec of a calibration source name."""
+    if source in splits:
+        return str(splits[source][0])
+    if source == "mix":
+        return ",".join(str(splits[d][0]) for d in DOMAINS)
+    if source.startswith("mix-") and source[4:] in splits:
+        return ",".join(str(splits[d][0]) for d in DOMAINS if d != source[4:])
+    raise SystemExit(f"unknown calibration source '{source}': use a domain ({', '.join(DOMAINS)}), mix or mix-DOMAIN")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", default="runs/crossdomain")
+    parser.add_argument("--calib", default=",".join(DOMAINS), help="comma-separated calibration sources")
+    parser.add_argument("--budgets", default="96,120,192,256,320", help="cache values per token per layer")
+    parser.add_argument("--rope-dim", type=int, default=64)
+    parser.add_argument("--configs", default="transmla;closed-form;default", help="';'-separated configurations")
+    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--calib-seq-len", type=int, default=512)
+    parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows of 512 tokens per domain")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--table-only", action="store_true", help="rebuild the tables and plot, convert nothing")
+    args = parser.parse_args()
+
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "crossdomain.jsonl"
+    if args.table_only:
+        write_tables(out)
+        return
+    model_dir, gguf = smollm2_gguf()
+    splits = domain_splits(out / "data")
+    tokenizer = load_tokenizer(model_dir, gguf)
+    windows = {d: token_windows(str(splits[d][1]), tokenizer, 512, args.eval_windows, min_windows=args.eval_windows)
+               for d in DOMAINS}
+    done = {(r["calib"], r["config"], r["budget"], r["domain"]) for r in _read(results)}
+
+    for domain in DOMAINS:
+        if ("-", "original", 384, domain) not in done:
+            model = load_model(model_dir, gguf, torch.float32, torch.device("cpu"))
+            ppl = perplexity(model, windows[domain], desc=f"original on {domain}")["perplexity"]
+            _append(results, {"calib": "-", "config": "original", "budget": 384, "domain": domain, "perplexity": ppl})
+            del model
+    original = {r["domain"]: r["perplexity"] for r in _read(results) if r["config"] == "original"}
+
+    budgets = [int(b) for b in args.budgets.split(",")]
+    for source in args.calib.split(","):
+        spec = calib_spec(source, splits)
+        for name, preset, overrides in (parse_config(c) for c in args.configs.split(";") if c):
+            todo = [b for b in budgets if any((source, name, b, d) not in done for d in DOMAINS)]
+            if not todo:
+                continue
+            outputs = {b - args.rope_dim: str(out / "ckpt" / f"{source}-{name.replace(':', '_')}-{b}") for b in todo}
+            start = time.time()
+            convert_many(ConvertSettings(
+                model=model_dir, gguf_file=gguf, output="", latent_dim=max(outputs), rope_dim=args.rope_dim,
+                calib_data=spec, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
+                dtype="float32", device=args.device, overwrite=True, target="transformers",
+                method=resolve_method(preset, overrides), method_name=preset,
+            ), outputs)
+            seconds = round(time.time() - start, 1)
+            for latent, path in outputs.items():
+                model = load_model(path, None, torch.float32, torch.device("cpu"))
+                for domain in DOMAINS:
+                    ppl = perplexity(model, windows[domain],
+                                     desc=f"{name} @ {latent + args.rope_dim} ({source} -> {domain})")["perplexity"]
+                    _append(results, {"calib": source, "config": name, "preset": preset, "overrides": overrides,
+                                      "budget": latent + args.rope_dim, "domain": domain, "perplexity": ppl,
+                                      "ratio": ppl / original[domain], "convert_seconds_all_budgets": seconds})
+                del model
+                gc.collect()
+                shutil.rmtree(path, ignore_errors=True)
+    write_tables(out)
+
+
+def write_tables(out: Path) -> None:
+    rows = [r for r in _read(out / "crossdomain.jsonl") if r["config"] != "original"]
+    original = {r["domain"]: r["perplexity"] for r in _read(out / "crossdomain.jsonl") if r["config"] == "original"}
+    cell = {(r["calib"], r["config"], r["budget"], r["domain"]): r["ratio"] for r in rows}
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    budgets = sorted({r["budget"] for r in rows})
+    sources = list(dict.fromkeys(r["calib"] for r in rows))
+    lines = ["Perplexity ratio converted / original on each domain's held-out text (original: "
+             + ", ".join(f"{d} {original[d]:.2f}" for d in DOMAINS if d in original) + ").", ""]
+
+    # headline: worst off-diagonal cell (calibrated on one domain, scored on another) per budget
+    lines += ["Worst off-diagonal cell (calibrated on one domain, scored on another):", "",
+              "| config | " + " | ".join(f"{b}/384" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
+    worst = {}
+    for config in configs:
+        row = []
+        for b in budgets:
+            off = [(v, s, d) for (s, c, bb, d), v in cell.items() if c == config and bb == b and s in DOMAINS and s != d]
+            worst[(config, b)] = max(off) if len(off) == len(DOMAINS) * (len(DOMAINS) - 1) else None
+            row.append(f"{worst[(config, b)][0]:.3f} ({worst[(config, b)][1]}→{worst[(config, b)][2]})"
+                       if worst[(config, b)] else "")
+        lines.append(f"| {config} | " + " | ".join(row) + " |")
+    lines.append("")
+
+    left_out = [(s, c, b, s[4:]) for (s, c, b, d) in cell if s.startswith("mix-") and d == s[4:]]
+    if left_out:
+        lines += ["Calibrated on a mix of the other three domains, scored on the one left out:", "",
+                  "| config | budget | " + " | ".join(DOMAINS) + " | worst |", "|---" * (len(DOMAINS) + 3) + "|"]
+        for config in configs:
+            for b in budgets:
+                vals = [cell.get((f"mix-{d}", config, b, d)) for d in DOMAINS]
+                if any(v is not None for v in vals):
+                    present = [v for v in vals if v is not None]
+                    lines.append(f"| {config} | {b} | " + " | ".join(f"{v:.3f}" if v else "" for v in vals)
+                                 + f" | {max(present):.3f} |")
+        lines.append("")
+
+    for b in budgets:
+        lines += [f"Budget {b}/384 ({1 - b / 384:.0%} of the cache saved); rows: calibration source, columns: "
+                  "scored domain (diagonal = in-domain, disjoint documents):", "",
+                  "| config | calibrated on | " + " | ".join(DOMAINS) + " |", "|---" * (len(DOMAINS) + 2) + "|"]
+        for config in configs:
+            for s in sources:
+                vals = [cell.get((s, config, b, d)) for d in DOMAINS]
+                if any(v is not None for v in vals):
+                    lines.append(f"| {config} | {s} | " + " | ".join(
+                        ("" if v is None else f"**{v:.3f}**" if s == d else f"{v:.3f}") for v, d in zip(vals, DOMAINS))
+                        + " |")
+        lines.append("")
+    (out / "crossdomain.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    _plot(out, configs, budgets, worst, cell)
+
+
+def _plot(out: Path, configs, budgets, worst, cell) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for config in configs:
+        pts = [(b / 384, worst[(config, b)][0]) for b in budgets if worst.get((config, b))]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{config}: worst off-domain")
+        diag = [(b / 384, max(cell[(d, config, b, d)] for d in DOMAINS)) for b in budgets
+                if all((d, config, b, d) in cell for d in DOMAINS)]
+        if diag:
+            ax.plot(*zip(*diag), marker=".", linestyle=":", label=f"{config}: worst in-domain")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xlabel("KV cache fraction of the original")
+    ax.set_ylabel("perplexity ratio (converted / original)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "crossdomain.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
