@@ -132,3 +132,22 @@ def test_weighted_plan_prefers_queried_heads():
     weight = torch.tensor([[1.0], [10.0]], dtype=torch.float64)
     plan = plan_rope(moment, fold_pools(dim, dim), kv, dim, candidate_weight=weight)
     assert plan.b[0, 1, 0].abs() > 0.99 * plan.b[0].abs().sum()
+
+
+def test_moment_shrinkage():
+    from transmla_tool.ops.stats import shrink_moment
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(500, 6, generator=gen, dtype=torch.float64) @ torch.randn(6, 6, generator=gen, dtype=torch.float64) + 2
+    aug = torch.cat([x, torch.ones(500, 1, dtype=torch.float64)], 1)
+    moment = aug.T @ aug / 500
+    assert torch.equal(shrink_moment(moment, 0.0), moment)
+    mean = x.mean(0)
+    cov = moment[:6, :6] - torch.outer(mean, mean)
+    for target, prior in (("diag", torch.diag(cov.diagonal())), ("identity", torch.eye(6, dtype=torch.float64) * cov.trace() / 6)):
+        full = shrink_moment(moment, 1.0, target)
+        assert torch.allclose(full[:6, :6] - torch.outer(mean, mean), prior)
+        half = shrink_moment(moment, 0.5, target)
+        assert torch.allclose(half[:6, 6], moment[:6, 6]) and half[6, 6] == 1  # mean and constant kept
+        assert torch.allclose(half[:6, :6] - torch.outer(mean, mean), 0.5 * cov + 0.5 * prior)
+        assert torch.linalg.eigvalsh(half).min() > -1e-12

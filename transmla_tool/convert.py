@@ -410,7 +410,7 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
                 stats, plan, rotation, x_refine, y_refine = shared
             else:
                 with stage("statistics"):
-                    stats = _layer_stats(layer, attn, inputs, cos, sin, settings.batch_size)
+                    stats = _layer_stats(layer, attn, inputs, cos, sin, settings.batch_size, method)
                 with stage("rope plan"):
                     plan, rotation = _rope_plan(method, attn, stats, geometry, layers.inv_freq, pools, log_freqs)
                 x_refine = y_refine = None
@@ -514,7 +514,7 @@ def _cpu(t):
     return None if t is None else t.double().cpu()
 
 
-def _layer_stats(layer, attn, inputs, cos, sin, batch) -> LayerStats:
+def _layer_stats(layer, attn, inputs, cos, sin, batch, method: Method) -> LayerStats:
     stats = LayerStats.empty(attn.q.shape[1], attn.num_heads, inputs.shape[1], device=inputs.device)
     with torch.no_grad():
         for rows in chunks(inputs.shape[0], batch):
@@ -523,7 +523,7 @@ def _layer_stats(layer, attn, inputs, cos, sin, batch) -> LayerStats:
         for rows in chunks(min(DISTANCE_WINDOWS, inputs.shape[0]), 1):
             x = layer.input_layernorm(inputs[rows])
             stats.distance_mass += attention_distance_mass(x, attn, cos, sin).double()
-    return stats.finalize()
+    return stats.finalize(method.moment_shrinkage, method.shrink_target)
 
 
 def _score_weight(attn, stats, geometry, rotation_spread):

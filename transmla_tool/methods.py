@@ -39,6 +39,12 @@ class Method:
     # (the converted model's own hidden states, so errors do not accumulate across layers).
     calib_inputs: str = "source"
 
+    # Shrinkage of the attention-input covariance toward a prior that trusts the calibration text less
+    # (0 = none, 1 = the prior alone): "diag" keeps per-channel energy and damps correlations,
+    # "identity" prefers no direction.
+    moment_shrinkage: float = 0.0
+    shrink_target: str = "diag"
+
     def with_overrides(self, pairs: list[str]) -> "Method":
         changes = {}
         types = {f.name: f.type for f in fields(self)}
@@ -63,12 +69,15 @@ class Method:
             "latent_weighting": ("plain", "attention"),
             "kv_balance": ("norm", "output"),
             "calib_inputs": ("source", "converted"),
+            "shrink_target": ("diag", "identity"),
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise UserError(f"method setting {key}={getattr(self, key)!r} must be one of {allowed}")
         if self.kv_balance == "output" and self.latent_weighting != "attention":
             raise UserError("kv_balance=output needs latent_weighting=attention")
+        if not 0.0 <= self.moment_shrinkage <= 1.0:
+            raise UserError(f"moment_shrinkage={self.moment_shrinkage} must be between 0 and 1")
         if min(self.refine_steps, self.refine_queries) < 0 or min(self.rope_pool, self.refine_batch,
                                                                     self.refine_windows) < 1:
             raise UserError("refine_steps/refine_queries must be >= 0; rope_pool, refine_batch and "

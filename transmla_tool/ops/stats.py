@@ -33,8 +33,33 @@ class LayerStats:
         self.x_moment += (aug.T.float() @ aug.float()).double()
         self.tokens += flat.shape[0]
 
-    def finalize(self) -> "LayerStats":
-        return LayerStats(self.x_moment / max(self.tokens, 1), self.distance_mass, self.tokens)
+    def finalize(self, shrinkage: float = 0.0, target: str = "diag") -> "LayerStats":
+        moment = self.x_moment / max(self.tokens, 1)
+        if shrinkage:
+            moment = shrink_moment(moment, shrinkage, target)
+        return LayerStats(moment, self.distance_mass, self.tokens)
+
+
+SHRINK_TARGETS = ("diag", "identity")
+
+
+def shrink_moment(moment: torch.Tensor, alpha: float, target: str = "diag") -> torch.Tensor:
+    """Pull the input covariance inside an augmented moment [[S, m], [m^T, 1]] toward a prior that
+    keeps less of the calibration text: its own diagonal ("diag": per-channel energy kept, the
+    correlations one kind of text makes damped) or a scaled identity ("identity": no direction
+    preferred). The mean and the constant are kept; alpha = 0 changes nothing, 1 is the prior."""
+    if target not in SHRINK_TARGETS:
+        raise ValueError(f"shrink target must be one of {SHRINK_TARGETS}")
+    if alpha == 0:
+        return moment
+    hidden = moment.shape[0] - 1
+    mean = moment[:hidden, hidden]
+    cov = moment[:hidden, :hidden] - torch.outer(mean, mean)
+    prior = torch.diag(cov.diagonal()) if target == "diag" else torch.eye(hidden, dtype=cov.dtype,
+                                                                          device=cov.device) * cov.trace() / hidden
+    out = moment.clone()
+    out[:hidden, :hidden] = (1 - alpha) * cov + alpha * prior + torch.outer(mean, mean)
+    return out
 
 
 def attention_probs(x: torch.Tensor, attn: GQAWeights, cos, sin) -> torch.Tensor:
