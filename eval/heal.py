@@ -3,6 +3,11 @@
     python eval/heal.py --output-dir runs/heal-news --max-tokens 81920 --eval-every 10
     python eval/prepare_heal_data.py                 # once: Debian's linux-doc-6.1 text -> .data/linux-doc.jsonl
     python eval/heal.py --output-dir runs/heal-linux-doc --data .data/linux-doc.jsonl --max-tokens 81920 --eval-every 10
+    python eval/heal.py --output-dir runs/heal-mix-code --data mix-code --max-tokens 40960 --eval-every 10
+
+`--data mix-DOMAIN` (DOMAIN one of news, forum, code, docs; see eval/crossdomain.py): the conversion
+calibrates and the healing trains on an equal mix of the other three domains' calibration documents,
+and the held-out perplexity is measured on DOMAIN's held-out documents, a kind of text neither step saw.
 
 Training text: `news` (default) is the first 75% of gensim's lee_background articles, the split the
 conversion calibrates on; any other local file or datasets spec works, e.g. Debian's linux-doc text
@@ -20,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
+from transmla_tool.assets import DOMAINS, domain_splits, lee_corpus, smollm2_gguf, split_documents
 from transmla_tool.convert import ConvertSettings, convert
 from transmla_tool.data import token_windows
 from transmla_tool.evaluate.perplexity import perplexity
@@ -54,10 +59,17 @@ def main() -> None:
     model_dir, gguf = smollm2_gguf()
     calib, heldout = split_documents(lee_corpus(), out / "data")
     data = str(calib) if args.data == "news" else args.data
+    if args.data.startswith("mix-"):
+        left_out = args.data[4:]
+        if left_out not in DOMAINS:
+            raise SystemExit(f"--data {args.data}: the domain left out must be one of {', '.join(DOMAINS)}")
+        splits = domain_splits(out / "data")
+        calib = data = ",".join(str(splits[d][0]) for d in DOMAINS if d != left_out)
+        heldout = splits[left_out][1]
     converted = out / f"converted-{args.latent_dim + 64}"
     if not (converted / "config.json").exists():
         convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
-                                rope_dim=64, calib_data=str(calib), calib_samples=64, dtype="float32",
+                                rope_dim=64, calib_data=str(calib), calib_samples=64, target="transformers", dtype="float32",
                                 device="cpu", overwrite=True))
 
     reference = out / "original.json"
@@ -77,7 +89,8 @@ def main() -> None:
         eval_windows=args.eval_windows, save_every=args.save_every, resume=args.resume, overwrite=not args.resume,
     ))
     rows = [json.loads(line) for line in (Path(f"{healed}.ckpt") / "log.jsonl").read_text().splitlines()]
-    write_report(out, rows, original, summary, f"{args.data}, lr {args.lr:g}, train {args.train}")
+    scored = f"held-out {heldout.name}" if args.data.startswith("mix-") else "held-out news"
+    write_report(out, rows, original, summary, f"{args.data} ({scored}), lr {args.lr:g}, train {args.train}")
 
 
 def write_report(out: Path, rows: list[dict], original: float, summary: dict, setup: str) -> None:

@@ -26,7 +26,9 @@ def _add_convert_args(p: argparse.ArgumentParser, calib_default: str | None = "d
 
     p.add_argument("--rope-dim", type=int, default=64, help="qk_rope_head_dim (64: what MLA kernels want)")
     p.add_argument("--calib-data", default=DEFAULT_CALIB_DATA if calib_default else None,
-                   help="local .txt/.jsonl/.parquet or datasets spec NAME[:CONFIG][@SPLIT]"
+                   help="local .txt/.jsonl/.parquet or datasets spec NAME[:CONFIG][@SPLIT], or a mix of them: "
+                   "SPEC=WEIGHT,SPEC=WEIGHT,... (windows per source in proportion, interleaved; default: web text, "
+                   "code and dialogue from the hub)"
                    + ("" if calib_default else "; default: the start of --data (scored windows come after it)"))
     p.add_argument("--calib-samples", type=int, default=64, help="calibration windows")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
