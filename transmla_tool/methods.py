@@ -42,7 +42,9 @@ class Method:
     # Shrinkage of the attention-input covariance toward a prior that trusts the calibration text less
     # (0 = none, 1 = the prior alone): "diag" keeps per-channel energy and damps correlations,
     # "identity" prefers no direction.
-    moment_shrinkage: float = 0.0
+    # Default 0.5: on SmolLM2 at 192/384 calibrated on news it cut the worst other-domain ratio from 2.09 to
+    # 1.66 at an in-domain cost of 0.003 (README: cross-domain quality).
+    moment_shrinkage: float = 0.5
     shrink_target: str = "diag"
 
     def with_overrides(self, pairs: list[str]) -> "Method":
@@ -97,9 +99,10 @@ PRESETS = {
         kv_balance="norm",
         refine_steps=0,
         calib_inputs="source",
+        moment_shrinkage=0.0,
     ),
-    # our closed form alone, for ablations and quick conversions
-    "closed-form": Method(refine_steps=0),
+    # our closed form alone, for ablations and quick conversions (unshrunk, as measured before shrinkage)
+    "closed-form": Method(refine_steps=0, moment_shrinkage=0.0),
 }
 
 
