@@ -256,3 +256,20 @@ def test_qwen2_bias_free_output(trained_model, convert_tiny, text_file):
     print("qwen2 perplexity ratio to the source:", {k: round(v, 4) for k, v in ratios.items()})
     assert all(math.isfinite(r) for r in ratios.values())
     assert ratios["drop, refined"] < ratios["drop, closed form"]
+
+
+def test_target_llamacpp(make_model, convert_tiny):
+    """--target llamacpp: any latent size, Llama-3 scaling written as DeepSeek YaRN (llama.cpp's
+    deepseek2 has no llama3 rope type), biases dropped by default and refused when kept."""
+    from transmla_tool.errors import UserError
+    from transmla_tool.methods import PRESETS
+
+    closed = PRESETS["closed-form"]
+    out, _, _ = convert_tiny(make_model("llama", kv_heads=2, rope_scaling=True), latent_dim=12, rope_dim=8,
+                             target="llamacpp", method=closed)
+    assert json.loads((out / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
+    qwen = make_model("qwen2", kv_heads=2)
+    out, _, _ = convert_tiny(qwen, latent_dim=12, rope_dim=8, target="llamacpp", method=closed)
+    assert json.loads((out / "config.json").read_text())["attention_bias"] is False
+    with pytest.raises(UserError, match="--target llamacpp: attention biases"):
+        convert_tiny(qwen, latent_dim=12, rope_dim=8, target="llamacpp", biases="keep", method=closed)

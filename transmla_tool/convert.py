@@ -113,7 +113,8 @@ class ConvertSettings:
     # zero-pad the latent to this many channels in the output (exact; for engines whose MLA kernels
     # accept only some sizes, e.g. vLLM's CPU backend: 512 + 64); 0 = no padding
     pad_latent_to: int = 0
-    # engine the output must serve in: "vllm" refuses, before converting, what vLLM cannot serve; "auto"
+    # engine the output must serve in: "vllm" refuses, before converting, what vLLM cannot serve ("llamacpp":
+    # what llama.cpp cannot, via export-gguf; both write Llama-3 scaling as DeepSeek YaRN); "auto"
     # prints what each engine will do; "transformers" only needs transformers
     target: str = "auto"
     # attention biases (Qwen2's q/k/v): "keep" (exact in transformers; vLLM drops them silently), "drop"
@@ -229,7 +230,7 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
         _Target(latent_dim=r, output=out, config=deepseek_config(
             source.config, geometry, latent_dim=max(r, settings.pad_latent_to), rope_dim=settings.rope_dim,
             q_bias=geometry.q_bias and not drop_biases,
-            attention_bias=attention_bias, dtype=out_dtype, yarn_for_scaled_rope=settings.target == "vllm"))
+            attention_bias=attention_bias, dtype=out_dtype, yarn_for_scaled_rope=settings.target in ("vllm", "llamacpp")))
         for r, out in outputs.items()
     ]
     _check_engines(settings, targets)
@@ -285,7 +286,7 @@ def _settings_dict(settings: ConvertSettings, ids) -> dict:
 def _drop_biases(settings: ConvertSettings) -> bool:
     if settings.biases not in ("auto", "keep", "drop"):
         raise UserError(f"--biases must be auto, keep or drop, got {settings.biases}")
-    return settings.biases == "drop" or (settings.biases == "auto" and settings.target == "vllm")
+    return settings.biases == "drop" or (settings.biases == "auto" and settings.target in ("vllm", "llamacpp"))
 
 
 def _check_engines(settings: ConvertSettings, targets) -> None:
@@ -297,6 +298,8 @@ def _check_engines(settings: ConvertSettings, targets) -> None:
         if not problems:
             continue
         size = t.config.kv_lora_rank + t.config.qk_rope_head_dim
+        if settings.target == "llamacpp":
+            raise UserError(f"--target llamacpp: {problems[0]}; pass --biases drop (or --target transformers)")
         if settings.target == "vllm":
             fix = (f"choose --latent-dim so latent + rope is one of {'/'.join(map(str, VLLM.mla_sizes))}, or "
                    f"--pad-latent-to {min(s for s in VLLM.mla_sizes if s >= size) - settings.rope_dim}"

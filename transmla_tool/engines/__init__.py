@@ -44,7 +44,7 @@ LLAMA_CPP = EngineFacts(
 )
 
 
-TARGETS = ("auto", "vllm", "transformers")
+TARGETS = ("auto", "vllm", "llamacpp", "transformers")
 
 
 def check_target(config, target: str) -> list[str]:
@@ -54,6 +54,8 @@ def check_target(config, target: str) -> list[str]:
         raise ValueError(f"target must be one of {TARGETS}")
     if target == "transformers":
         return []
+    if target == "llamacpp":  # any latent size (llama.cpp's deepseek2 only needs a non-empty nope part)
+        return ["attention biases: llama.cpp's deepseek2 has no attention bias tensors"] if config.attention_bias else []
     return servability(config)["vllm"]["problems"]
 
 
