@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from quality import _append, _read, parse_config  # noqa: E402
+from quality import _append, _read, parse_config, save_ratio_plot  # noqa: E402
 
 from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
 from transmla_tool.convert import ConvertSettings, convert_many  # noqa: E402
@@ -197,14 +197,7 @@ def _plot(out: Path, configs, budgets, worst, cell) -> None:
                 if all((d, config, b, d) in cell for d in DOMAINS)]
         if diag:
             ax.plot(*zip(*diag), marker=".", linestyle=":", label=f"{config}: worst in-domain")
-    ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set_xlabel("KV cache fraction of the original")
-    ax.set_ylabel("perplexity ratio (converted / original)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "crossdomain.png", dpi=120)
-    plt.close(fig)
+    save_ratio_plot(fig, ax, out / "crossdomain.png")
 
 
 if __name__ == "__main__":

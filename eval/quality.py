@@ -156,13 +156,20 @@ def write_table(out: Path) -> None:
         xs = [b / 384 for b in budgets if (config, b) in cell]
         ys = [cell[(config, b)] for b in budgets if (config, b) in cell]
         ax.plot(xs, ys, marker="o", label=config, linestyle="--" if config.startswith("transmla") else "-")
+    save_ratio_plot(fig, ax, out / "quality.png")
+
+
+def save_ratio_plot(fig, ax, path: Path) -> None:
+    """Axes, log scale, legend and file of a perplexity-ratio-vs-cache-fraction plot."""
+    import matplotlib.pyplot as plt
+
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_xlabel("KV cache fraction of the original")
     ax.set_ylabel("perplexity ratio (converted / original)")
     ax.set_yscale("log")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "quality.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 

@@ -20,6 +20,17 @@ from .run import context_ids
 ENGINES = ("transformers", "vllm", "llamacpp")
 
 
+def _model_entry(path: str, gguf_file: str | None, config) -> dict:
+    """The fields every engine's result starts with (the shape `evaluate_model` returns)."""
+    return {
+        "model": path if not gguf_file else f"{path}/{gguf_file}",
+        "model_type": config.model_type,
+        "parameters": None,
+        "values_per_token_per_layer": cached_values_per_token_per_layer(config),
+        "num_layers": config.num_hidden_layers,
+    }
+
+
 def _as_directory(path: str, gguf_file: str | None, tmp: str) -> str:
     """vLLM reads safetensors directories: a GGUF source is dequantized once by transformers and saved."""
     if not gguf_file:
@@ -52,20 +63,15 @@ def evaluate_in_vllm(name: str, path: str, gguf_file: str | None, settings, wind
     kv = result["kv_cache"]
     if "error" in kv:
         raise UserError(f"could not read vLLM's KV cache for the {name} model ({kv['error']})")
-    layers = config.num_hidden_layers
     element = 4 if dtype_name == "float32" else 2
-    per_token_layer = cached_values_per_token_per_layer(config)
-    out = {
-        "model": path if not gguf_file else f"{path}/{gguf_file}",
-        "model_type": config.model_type,
-        "parameters": None,
-        "values_per_token_per_layer": per_token_layer,
-        "num_layers": layers,
+    out = _model_entry(path, gguf_file, config)
+    layers, per_token_layer = out["num_layers"], out["values_per_token_per_layer"]
+    out.update({
         "engine": {"name": "vllm", "version": result["vllm"], "kv_cache": kv},
         "perplexity": {"perplexity": math.exp(result["nll_sum"] / result["nll_tokens"]),
                        "nll_per_token": result["nll_sum"] / result["nll_tokens"], "tokens": result["nll_tokens"]},
         "contexts": {},
-    }
+    })
     for length in settings.contexts:
         timing = result["decode"][str(length)]
         measured = kv["bytes_per_token_per_layer"] * layers * length
@@ -108,14 +114,9 @@ def evaluate_in_llamacpp(name: str, path: str, gguf_file: str | None, settings, 
     if not text.exists():
         text.write_text(tokenizer.decode(windows.reshape(-1).tolist(), skip_special_tokens=True))
     ppl = perplexity(model_file, text, settings.seq_len, len(windows))
-    layers = config.num_hidden_layers
-    per_token_layer = cached_values_per_token_per_layer(config)
-    out = {
-        "model": path if not gguf_file else f"{path}/{gguf_file}",
-        "model_type": config.model_type,
-        "parameters": None,
-        "values_per_token_per_layer": per_token_layer,
-        "num_layers": layers,
+    out = _model_entry(path, gguf_file, config)
+    layers, per_token_layer = out["num_layers"], out["values_per_token_per_layer"]
+    out.update({
         "engine": {"name": "llama.cpp", "version": "llama-cpp-python 0.3.36 sdist", "gguf": str(model_file),
                    "file_type": _gguf_file_type(model_file),
                    "kv_cache": {k: ppl[k] for k in ("kv_cache_mib", "kv_cells", "kv_layers",
@@ -123,7 +124,7 @@ def evaluate_in_llamacpp(name: str, path: str, gguf_file: str | None, settings, 
         "perplexity": {"perplexity": ppl["perplexity"], "nll_per_token": math.log(ppl["perplexity"]),
                        "tokens": ppl["chunks"] * (settings.seq_len - 1 - settings.seq_len // 2)},
         "contexts": {},
-    }
+    })
     element = 2  # llama.cpp caches f16 by default
     # llama.cpp prints the cache size in MiB with two decimals: round to whole values per token per layer
     values = round(ppl["kv_bytes_per_token_per_layer"] / element)
