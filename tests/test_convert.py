@@ -273,3 +273,47 @@ def test_target_llamacpp(make_model, convert_tiny):
     assert json.loads((out / "config.json").read_text())["attention_bias"] is False
     with pytest.raises(UserError, match="--target llamacpp: attention biases"):
         convert_tiny(qwen, latent_dim=12, rope_dim=8, target="llamacpp", biases="keep", method=closed)
+
+
+def test_target_sglang(make_model, convert_tiny, tmp_path):
+    """--target sglang (limits read in SGLang 0.5.23's source, never run): any latent <= 512 with a rope
+    part <= 64 (FlashAttention-3, its Hopper default), biases dropped, Llama-3 scaling as YaRN; a latent
+    over 512 is refused before anything is written. The verdict is labelled as read, not observed."""
+    from transmla_tool.errors import UserError
+    from transmla_tool.methods import PRESETS
+
+    closed = PRESETS["closed-form"]
+    out, summary, _ = convert_tiny(make_model("llama", kv_heads=2, rope_scaling=True), latent_dim=24,
+                                   rope_dim=8, target="sglang", method=closed)
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "yarn"
+    verdict = summary["servable"]["sglang"]
+    assert verdict["serves_as_is"] is True and verdict["run"] is False, verdict
+    assert "read from its source, not run" in (out / "README.md").read_text()
+    qwen = make_model("qwen2", kv_heads=2)
+    out, summary, _ = convert_tiny(qwen, latent_dim=16, rope_dim=8, target="sglang", method=closed)
+    assert json.loads((out / "config.json").read_text())["attention_bias"] is False
+    with pytest.raises(UserError, match="--target sglang: attention biases"):
+        convert_tiny(qwen, latent_dim=16, rope_dim=8, target="sglang", biases="keep", method=closed)
+    # the same source at latent 16 with biases kept and --target auto: converted, and the verdict says why not
+    out, summary, _ = convert_tiny(qwen, latent_dim=16, rope_dim=8, target="auto", biases="keep", method=closed)
+    assert summary["servable"]["sglang"]["serves_as_is"] is False
+    assert any("biases" in p for p in summary["servable"]["sglang"]["problems"])
+
+
+def test_sglang_size_limits():
+    """The size rule itself, on configs (a tiny model cannot reach a 512+ latent cheaply)."""
+    from types import SimpleNamespace
+
+    from transmla_tool.engines import check_target
+
+    def config(latent, rope):
+        return SimpleNamespace(kv_lora_rank=latent, qk_rope_head_dim=rope, attention_bias=False,
+                               rope_parameters={"rope_type": "yarn", "factor": 1.0})
+
+    assert check_target(config(512, 64), "sglang") == []
+    assert check_target(config(128, 64), "sglang") == []   # not a vLLM size, but FA3 / triton take it
+    assert check_target(config(128, 64), "vllm")            # vLLM refuses 192
+    assert "latent 576" in check_target(config(576, 64), "sglang")[0]
+    assert check_target(config(256, 128), "sglang")          # rope part over 64
+    assert check_target(config(100, 64), "sglang")           # not a multiple of 8

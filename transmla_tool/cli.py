@@ -59,14 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted conversion (same command) from its last finished layer")
     p.add_argument("--max-shard-size", default="2GB", help="largest output shard (memory holds one while writing)")
-    p.add_argument("--target", default="vllm", choices=["vllm", "llamacpp", "auto", "transformers"],
+    p.add_argument("--target", default="vllm", choices=["vllm", "sglang", "llamacpp", "auto", "transformers"],
                    help="vllm (default): refuse before converting what vLLM cannot serve (latent + rope other than "
-                   "320/512/576, attention biases) and map Llama-3 rope scaling onto DeepSeek YaRN; llamacpp: any size, no "
-                   "biases, YaRN mapping, for `export-gguf`; auto: convert "
+                   "320/512/576, attention biases) and map Llama-3 rope scaling onto DeepSeek YaRN; sglang: the same "
+                   "for SGLang's limits as read in its source, not run (latent <= 512, rope <= 64); llamacpp: any "
+                   "size, no biases, YaRN mapping, for `export-gguf`; auto: convert "
                    "anything and say which engines will refuse it; transformers: exact in transformers, no engine check")
     p.add_argument("--biases", default="auto", choices=["auto", "keep", "drop"],
                    help="attention biases (Qwen2): keep (exact in transformers, vLLM drops them silently), drop (bias-free "
-                   "output, refinement absorbs them at a measured cost), auto: drop for --target vllm/llamacpp")
+                   "output, refinement absorbs them at a measured cost), auto: drop for --target vllm/sglang/llamacpp")
     p.add_argument("--pad-latent-to", type=int, default=0,
                    help="zero-pad the latent to this size in the output (exact, costs cache): for engines whose MLA "
                    "kernels accept only some sizes, e.g. 512 for vLLM's CPU backend (512 + 64)")

@@ -230,7 +230,7 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
         _Target(latent_dim=r, output=out, config=deepseek_config(
             source.config, geometry, latent_dim=max(r, settings.pad_latent_to), rope_dim=settings.rope_dim,
             q_bias=geometry.q_bias and not drop_biases,
-            attention_bias=attention_bias, dtype=out_dtype, yarn_for_scaled_rope=settings.target in ("vllm", "llamacpp")))
+            attention_bias=attention_bias, dtype=out_dtype, yarn_for_scaled_rope=settings.target in ENGINE_TARGETS))
         for r, out in outputs.items()
     ]
     _check_engines(settings, targets)
@@ -283,15 +283,18 @@ def _settings_dict(settings: ConvertSettings, ids) -> dict:
     return out
 
 
+ENGINE_TARGETS = ("vllm", "sglang", "llamacpp")  # targets that want bias-free output and Llama-3 scaling as YaRN
+
+
 def _drop_biases(settings: ConvertSettings) -> bool:
     if settings.biases not in ("auto", "keep", "drop"):
         raise UserError(f"--biases must be auto, keep or drop, got {settings.biases}")
-    return settings.biases == "drop" or (settings.biases == "auto" and settings.target in ("vllm", "llamacpp"))
+    return settings.biases == "drop" or (settings.biases == "auto" and settings.target in ENGINE_TARGETS)
 
 
 def _check_engines(settings: ConvertSettings, targets) -> None:
     """Say before converting which engines will refuse the output; with --target vllm, refuse it."""
-    from .engines import VLLM, check_target
+    from .engines import SGLANG_MAX_LATENT, SGLANG_MAX_ROPE, VLLM, check_target
 
     for t in targets:
         problems = check_target(t.config, settings.target)
@@ -300,6 +303,9 @@ def _check_engines(settings: ConvertSettings, targets) -> None:
         size = t.config.kv_lora_rank + t.config.qk_rope_head_dim
         if settings.target == "llamacpp":
             raise UserError(f"--target llamacpp: {problems[0]}; pass --biases drop (or --target transformers)")
+        if settings.target == "sglang":
+            raise UserError(f"--target sglang: {problems[0]}; choose --latent-dim <= {SGLANG_MAX_LATENT} and --rope-dim "
+                            f"<= {SGLANG_MAX_ROPE} (multiples of 8), --biases drop, or --target transformers")
         if settings.target == "vllm":
             fix = (f"choose --latent-dim so latent + rope is one of {'/'.join(map(str, VLLM.mla_sizes))}, or "
                    f"--pad-latent-to {min(s for s in VLLM.mla_sizes if s >= size) - settings.rope_dim}"

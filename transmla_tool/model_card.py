@@ -58,12 +58,13 @@ def write_model_card(directory: Path, summary: dict, config, extra_sections: lis
         ]
     serv = summary["servable"]
     lines += ["## Serving", "", "- transformers: " + str(serv.get("transformers", "exact"))]
-    for engine in ("vllm", "llama.cpp"):
+    for engine in ("vllm", "llama.cpp", "sglang"):
         verdict = serv.get(engine)
         if not isinstance(verdict, dict):
             continue
         state = "serves it as is" if verdict["serves_as_is"] else "**not as is**"
-        lines.append(f"- {engine} ({verdict['version']}, observed by running it): {state}")
+        how = "read from its source, not run" if verdict.get("run") is False else "observed by running it"
+        lines.append(f"- {engine} ({verdict['version']}, {how}): {state}")
         lines += [f"  - {problem}" for problem in verdict["problems"]]
     lines += [
         "- The latent RMSNorm (`kv_a_layernorm`) is linearized: its input is scaled so the norm acts as an "

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .convert import ConvertSettings, convert_many, resolve_device
-from .engines import VLLM
+from .engines import VLLM, sglang_size_ok
 from .data import token_windows
 from .errors import UserError
 from .evaluate.cache import cache_tensors_bytes, cached_values_per_token_per_layer, prefill
@@ -92,7 +92,8 @@ def run_sweep(settings: SweepSettings) -> dict:
     for r, path in outputs.items():
         scored = _score(path, None, windows, dtype, device, settings, f"latent {r}")
         scored.update(latent_dim=r, conversion_seconds=summaries[r]["wall_time_s"],
-                      vllm_size_ok=r + settings.rope_dim in VLLM.mla_sizes)
+                      vllm_size_ok=r + settings.rope_dim in VLLM.mla_sizes,
+                      sglang_size_ok=sglang_size_ok(r, settings.rope_dim))
         points.append(scored)
     result = {
         "original": original,
@@ -131,16 +132,16 @@ def markdown(result: dict) -> str:
     lines = [
         f"# Perplexity vs KV cache ({result['eval_tokens']} held-out tokens)",
         "",
-        "| latent | cache values/token/layer | cache fraction | perplexity | ratio to original | vLLM MLA size |",
-        "|---|---|---|---|---|---|",
-        f"| original | {orig['values_per_token_per_layer']} | 1.000 | {orig['perplexity']:.3f} | 1.000 | |",
+        "| latent | cache values/token/layer | cache fraction | perplexity | ratio to original | vLLM MLA size | SGLang size (read, not run) |",
+        "|---|---|---|---|---|---|---|",
+        f"| original | {orig['values_per_token_per_layer']} | 1.000 | {orig['perplexity']:.3f} | 1.000 | | |",
     ]
     for p in result["points"]:
         lines.append(
             f"| {p['latent_dim']} | {p['values_per_token_per_layer']} | "
             f"{p['values_per_token_per_layer'] / orig['values_per_token_per_layer']:.3f} | "
             f"{p['perplexity']:.3f} | {p['perplexity'] / orig['perplexity']:.3f} | "
-            f"{'yes' if p.get('vllm_size_ok') else 'no'} |"
+            f"{'yes' if p.get('vllm_size_ok') else 'no'} | {'yes' if p.get('sglang_size_ok') else 'no'} |"
         )
     return "\n".join(lines) + "\n"
 

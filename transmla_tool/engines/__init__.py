@@ -1,9 +1,11 @@
 """What each serving engine does with our output, as data, and the verdict for one converted config.
 
-Every entry here was observed by running the engine on this tool's output (vLLM's CPU build 0.32.0
-and llama.cpp from the llama-cpp-python 0.3.36 sdist, on SmolLM2-135M conversions; see
-shared/MISSION.md "What the serving engines do"), not read from their code. Re-check them when
-targeting another engine version; `tests/test_engines.py`-style runs are the way to do it.
+The vLLM and llama.cpp entries were observed by running the engine on this tool's output (vLLM's CPU
+build 0.32.0 and llama.cpp from the llama-cpp-python 0.3.36 sdist, on SmolLM2-135M conversions; see
+shared/MISSION.md "What the serving engines do"). The SGLang entry was read from the source in its
+0.5.23 wheel and was never run (`run_by_us` False): SGLang's CPU path needs its CPU kernels, which no
+registry ships (sglang-kernel 0.4.10 holds CUDA sm90/sm100 ops only, no sdist), and no GPU was lent.
+Re-check them when targeting another engine version; `tests/test_engines.py`-style runs are the way.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class EngineFacts:
     # latent + rope sizes its MLA path accepts (None: any)
     mla_sizes: tuple[int, ...] | None
     notes: tuple[str, ...] = ()
+    run_by_us: bool = True  # False: read from the engine's source only
 
 
 VLLM = EngineFacts(
@@ -44,7 +47,27 @@ LLAMA_CPP = EngineFacts(
 )
 
 
-TARGETS = ("auto", "vllm", "llamacpp", "transformers")
+SGLANG = EngineFacts(
+    name="sglang",
+    version="0.5.23 (read from its wheel's source, not run)",
+    mla_sizes=None,
+    run_by_us=False,
+    notes=(
+        "default MLA backend: fa3 on Hopper, trtllm_mla on Blackwell (sm100), triton elsewhere "
+        "(arg_groups/model_override_base.get_default_attn_backend, model_overrides/deepseek_v2)",
+        "fa3 runs MLA as flash_attn_with_kvcache(q=rope part, qv=latent part): FlashAttention-3 accepts a "
+        "Q/K head dim <= 64 with a V head dim <= 512 (sizes multiple of 8; V > 256 needs fp16/bf16)",
+        "the triton decode kernel has a generic path for any latent + rope (decode_attention.py)",
+        "the Blackwell default trtllm_mla was not read far enough to state its sizes: pass "
+        "--attention-backend triton when it refuses a size other than 512 + 64",
+        "its DeepSeek weight loader skips `.bias` tensors the model has no parameter for, as vLLM's does",
+        "every rope type other than 'default' becomes deepseek_yarn, as in vLLM",
+    ),
+)
+SGLANG_MAX_LATENT, SGLANG_MAX_ROPE = 512, 64  # FlashAttention-3 (SGLang's Hopper default) limits
+
+
+TARGETS = ("auto", "vllm", "sglang", "llamacpp", "transformers")
 
 
 def check_target(config, target: str) -> list[str]:
@@ -56,7 +79,31 @@ def check_target(config, target: str) -> list[str]:
         return []
     if target == "llamacpp":  # any latent size (llama.cpp's deepseek2 only needs a non-empty nope part)
         return ["attention biases: llama.cpp's deepseek2 has no attention bias tensors"] if config.attention_bias else []
+    if target == "sglang":
+        return servability(config)["sglang"]["problems"]
     return servability(config)["vllm"]["problems"]
+
+
+def sglang_size_ok(latent: int, rope: int) -> bool:
+    """SGLang's Hopper default (FlashAttention-3 MLA) takes these sizes, as read in its source; not run."""
+    return latent <= SGLANG_MAX_LATENT and rope <= SGLANG_MAX_ROPE and latent % 8 == 0 and rope % 8 == 0
+
+
+def _sglang_problems(config, rope_type: str) -> list[str]:
+    """What SGLang 0.5.23 would get wrong or refuse, as read from its source (never run here)."""
+    latent, rope = config.kv_lora_rank, config.qk_rope_head_dim
+    problems = []
+    if not sglang_size_ok(latent, rope):
+        problems.append(
+            f"latent {latent} + rope {rope}: SGLang's Hopper default (FlashAttention-3 MLA) takes a latent <= "
+            f"{SGLANG_MAX_LATENT} and a rope part <= {SGLANG_MAX_ROPE}, both multiples of 8 (read in its source); "
+            "its triton backend (--attention-backend triton) has no size limit")
+    if config.attention_bias:
+        problems.append("attention biases: SGLang's DeepSeek loader skips them silently (read in its source), "
+                        "so it would serve a different model")
+    if rope_type not in ("default", "yarn"):
+        problems.append(f"rope_type '{rope_type}': SGLang turns it into DeepSeek YaRN (read in its source)")
+    return problems
 
 
 def servability(config) -> dict:
@@ -98,7 +145,11 @@ def servability(config) -> dict:
         "vllm": {"version": VLLM.version, "serves_as_is": not vllm_problems, "problems": vllm_problems},
         # "as is" = from this directory without another step; the exported GGUF runs (see problems)
         "llama.cpp": {"version": LLAMA_CPP.version, "serves_as_is": False, "problems": llama_problems},
+        # read from SGLang's source, never run: `serves_as_is` is what its code implies, not an observation
+        "sglang": {"version": SGLANG.version, "serves_as_is": not _sglang_problems(config, rope_type),
+                   "problems": _sglang_problems(config, rope_type), "run": False},
         # kept for readers of older conversion.json files: true only when vLLM serves it as is
         "vllm_sglang_as_is": not vllm_problems,
-        "notes": vllm_problems + llama_problems,
+        "notes": vllm_problems + llama_problems
+        + [f"SGLang (read from its source, not run): {problem}" for problem in _sglang_problems(config, rope_type)],
     }
