@@ -151,3 +151,31 @@ def test_moment_shrinkage():
         assert torch.allclose(half[:6, 6], moment[:6, 6]) and half[6, 6] == 1  # mean and constant kept
         assert torch.allclose(half[:6, :6] - torch.outer(mean, mean), 0.5 * cov + 0.5 * prior)
         assert torch.linalg.eigvalsh(half).min() > -1e-12
+
+
+def test_refine_anchor_holds_weights_near_the_start():
+    """refine_anchor: the larger the pull toward the closed-form start, the less the weights move and the
+    less the fitted loss drops; anchor 0 is the plain fit."""
+    from transmla_tool.ops.refine import refine
+
+    torch.manual_seed(0)
+    layer = _random_layer(kv_heads=2)
+    x = torch.randn(6, 12, 32, dtype=torch.float64)
+    inv = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    cos, sin = rotation_cos_sin(inv, torch.arange(12))
+    plan = plan_rope(affine_moment(layer.k, layer.k_bias, _moment(x)), fold_pools(8, 8), 2, 8)
+    start, _ = factorize(layer, _moment(x), plan, rope_dim=8, latent_dim=6)
+    target = gqa_attention(x, layer, cos, sin).float()
+    start32 = start.to(torch.float32)
+
+    def moved(mla):
+        return float((mla.kv_b - start32.kv_b).norm() / start32.kv_b.norm())
+
+    results = {}
+    for anchor in (0.0, 1.0, 100.0):
+        fitted, report = refine(start, x.float(), target, cos.float(), sin.float(), steps=40, lr=1e-2, batch=6,
+                                anchor=anchor)
+        results[anchor] = (moved(fitted), report.loss_after)
+    print("anchor -> (relative change of kv_b, loss after):", results)
+    assert results[0.0][0] > results[1.0][0] > results[100.0][0]
+    assert results[0.0][1] < results[100.0][1]

@@ -445,7 +445,7 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
                 with stage("refine"):
                     mla, ref = refine(mla, x_refine, y_refine, target_cos, target_sin, steps=method.refine_steps,
                                       lr=method.refine_lr, batch=method.refine_batch, queries=method.refine_queries,
-                                      holdout=holdout, seed=settings.seed + i)
+                                      holdout=holdout, seed=settings.seed + i, anchor=method.refine_anchor)
                 report.update(refine_loss_before=round(ref.loss_before, 6), refine_loss_after=round(ref.loss_after, 6),
                               refine_seconds=round(ref.seconds, 2))
             mla = pad_latent(mla, t.config.kv_lora_rank)

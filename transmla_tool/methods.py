@@ -35,6 +35,9 @@ class Method:
     refine_batch: int = 4
     refine_queries: int = 128
     refine_windows: int = 64
+    # Pull of the refinement toward its closed-form start (0 = none): anchor x mean relative squared change
+    # of the weights, added to the fitted loss (a prior against over-fitting the calibration text).
+    refine_anchor: float = 0.0
     # Inputs each layer is calibrated on: "source" (source model's hidden states) or "converted"
     # (the converted model's own hidden states, so errors do not accumulate across layers).
     calib_inputs: str = "source"
@@ -78,6 +81,8 @@ class Method:
                 raise UserError(f"method setting {key}={getattr(self, key)!r} must be one of {allowed}")
         if self.kv_balance == "output" and self.latent_weighting != "attention":
             raise UserError("kv_balance=output needs latent_weighting=attention")
+        if self.refine_anchor < 0:
+            raise UserError(f"refine_anchor={self.refine_anchor} must be >= 0")
         if not 0.0 <= self.moment_shrinkage <= 1.0:
             raise UserError(f"moment_shrinkage={self.moment_shrinkage} must be between 0 and 1")
         if min(self.refine_steps, self.refine_queries) < 0 or min(self.rope_pool, self.refine_batch,

@@ -42,13 +42,15 @@ def evaluate(mla: MLAWeights, inputs, targets, cos, sin, batch: int) -> float:
 
 def refine(mla: MLAWeights, inputs: torch.Tensor, targets: torch.Tensor, cos, sin, *, steps: int,
            lr: float = 1e-3, batch: int = 8, queries: int = 0, holdout: int = 0,
-           seed: int = 0) -> tuple[MLAWeights, RefineReport]:
+           seed: int = 0, anchor: float = 0.0) -> tuple[MLAWeights, RefineReport]:
     """Fit `mla` (fp32 on the inputs' device) so that mla_attention(inputs) ~= targets.
 
     inputs/targets: (N, L, d). Each step uses `batch` random windows and, when `queries` > 0, only
     that many random query positions of them (every key is still used): most of the cost of a step
     is in the queries, so this buys many more steps per second. The last `holdout` windows are not
     trained on and give the reported losses; with holdout=0 they are measured on the training windows.
+    `anchor` > 0 adds anchor x the mean over tensors of |p - p0|^2 / |p0|^2 (p0: the starting weights) to
+    the loss, so the fit moves away from the closed form only where the calibration text pays for it.
     """
     start = time.time()
     train_x, train_t = inputs[: inputs.shape[0] - holdout], targets[: targets.shape[0] - holdout]
@@ -60,6 +62,8 @@ def refine(mla: MLAWeights, inputs: torch.Tensor, targets: torch.Tensor, cos, si
 
     names = [f.name for f in fields(mla) if isinstance(getattr(mla, f.name), torch.Tensor)]
     params = {n: getattr(mla, n).detach().clone().requires_grad_(True) for n in names}
+    start_weights = {n: getattr(mla, n).detach() for n in names}
+    start_norms = {n: w.pow(2).sum().clamp_min(1e-30) for n, w in start_weights.items()}
     groups = [{"params": [p], "lr": lr * float(p.detach().pow(2).mean().sqrt().clamp_min(1e-8))}
               for p in params.values()]
     optimizer = torch.optim.Adam(groups, betas=(0.9, 0.99))
@@ -78,6 +82,9 @@ def refine(mla: MLAWeights, inputs: torch.Tensor, targets: torch.Tensor, cos, si
             loss = _relative_mse(mla_attention(train_x[idx], current, cos, sin, pos), train_t[idx][:, pos])
         else:
             loss = _relative_mse(mla_attention(train_x[idx], current, cos, sin), train_t[idx])
+        if anchor > 0:
+            loss = loss + anchor * sum((params[n] - start_weights[n]).pow(2).sum() / start_norms[n]
+                                       for n in names) / len(names)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
