@@ -270,3 +270,16 @@ def test_eval_in_llamacpp(tmp_path):
     assert report["perplexity"]["original"] > 1 and report["perplexity"]["converted"] > report["perplexity"]["original"]
     assert min(report["decode_tokens_per_s"]["256"].values()) > 0
     assert "Measured in llama.cpp" in (tmp_path / "report" / "report.md").read_text()
+    # --gguf-type f32: the original re-typed (Q4_1 -> F32 holds the same weights), both files f32, so the decode
+    # speeds compare like with like; its perplexity stays near the Q4_1 file's (llama.cpp's quantized matmuls
+    # also round the activations, so not to the last digit)
+    same = run_eval(EvalSettings(original=model_dir, gguf_file=gguf, converted=str(out), data=str(heldout),
+                                 output_dir=str(tmp_path / "report-f32"), engine="llamacpp", gguf_type="f32",
+                                 seq_len=256, max_tokens=1024, contexts=[256], new_tokens=4, device="cpu",
+                                 dtype="float32", progress=False))
+    types = {k: same["models"][k]["engine"]["file_type"] for k in ("original", "converted")}
+    assert types == {"original": "ALL_F32", "converted": "ALL_F32"}, types
+    native, retyped = report["perplexity"]["original"], same["perplexity"]["original"]
+    print(f"original perplexity in llama.cpp: Q4_1 file {native:.4f}, re-typed F32 {retyped:.4f}")
+    assert abs(retyped / native - 1) < 0.05
+    assert "re-typed by llama-quantize" in (tmp_path / "report-f32" / "report.md").read_text()

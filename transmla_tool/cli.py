@@ -167,6 +167,9 @@ def _add_eval_args(p: argparse.ArgumentParser, with_bench: bool = True) -> None:
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm", "llamacpp"],
                    help="run both models in transformers, in vLLM (its own venv) or in llama.cpp (its tools; `make engines` installs both): perplexity, the "
                    "KV cache it allocates and decode speed measured inside the engine")
+    p.add_argument("--gguf-type", default="native", choices=["native", "f32", "bf16", "q8_0"],
+                   help="--engine llamacpp: native = the original GGUF as given and the converted exported at f32/bf16; "
+                   "a type = both files at that type (the original re-typed by llama-quantize), for like-for-like speed")
     p.add_argument("--attention", default="both", choices=["stock", "absorbed", "both"],
                    help="converted model's decode path: transformers' stock attention, the absorbed MLA runtime "
                    "(transmla_tool.runtime.absorbed), or both side by side")
@@ -218,7 +221,7 @@ def cmd_eval(args) -> int:
         data=args.data, seq_len=args.seq_len, max_tokens=args.max_tokens, skip_windows=args.skip_windows,
         batch_size=args.eval_batch_size, contexts=_int_list(args.contexts, "--contexts"),
         new_tokens=args.new_tokens, warmup_tokens=args.warmup_tokens, attention=args.attention, engine=args.engine,
-        prefill_chunk=args.prefill_chunk,
+        gguf_type=args.gguf_type, prefill_chunk=args.prefill_chunk,
         tasks=[t for t in args.tasks.split(",") if t], limit=args.limit, num_fewshot=args.num_fewshot,
         include_path=args.include_path, dtype=args.dtype, device=args.device, seed=args.seed,
     )

@@ -90,9 +90,12 @@ def greedy_text(gguf: str | Path, prompt: str, tokens: int) -> str:
     return run.stdout
 
 
-def quantize(src: str | Path, dst: str | Path, qtype: str = "Q8_0", keep: dict | None = None) -> None:
-    """llama-quantize, with per-tensor types kept (e.g. {"attn_kv_a_mqa": "bf16"})."""
+def quantize(src: str | Path, dst: str | Path, qtype: str = "Q8_0", keep: dict | None = None,
+             allow_requantize: bool = False) -> None:
+    """llama-quantize, with per-tensor types kept (e.g. {"attn_kv_a_mqa": "bf16"}); allow_requantize re-types an
+    already quantized file (e.g. Q4_1 -> F32 stores the same values dequantized)."""
     extra = [a for name, kind in (keep or {}).items() for a in ("--tensor-type", f"{name}={kind}")]
+    extra += ["--allow-requantize"] if allow_requantize else []
     _run([llama_cpp_bin("llama-quantize"), *extra, src, dst, qtype, threads()])
 
 

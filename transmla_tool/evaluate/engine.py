@@ -88,6 +88,9 @@ def evaluate_in_vllm(name: str, path: str, gguf_file: str | None, settings, wind
     return out
 
 
+GGUF_TYPES = ("native", "f32", "bf16", "q8_0")
+
+
 def evaluate_in_llamacpp(name: str, path: str, gguf_file: str | None, settings, windows, tokenizer, tmp: str) -> dict:
     """One model measured in llama.cpp's tools. The original must be a GGUF (llama.cpp reads nothing
     else); the converted checkpoint is exported with `export-gguf` (f32 for a float32 eval, else bf16).
@@ -96,16 +99,23 @@ def evaluate_in_llamacpp(name: str, path: str, gguf_file: str | None, settings, 
     llama-bench tokens/s generating new_tokens after each context (mean of 3)."""
     from transformers import AutoConfig
 
-    from ..engines.llamacpp import decode_speed, perplexity
+    from ..engines.llamacpp import decode_speed, perplexity, quantize
     from ..gguf_export import GGUFSettings, export_gguf
 
     if not settings.gguf_file:
         raise UserError("--engine llamacpp reads the original as a GGUF: pass --original DIR --gguf-file FILE (make one "
                         "with llama.cpp's convert_hf_to_gguf.py)")
+    if settings.gguf_type not in GGUF_TYPES:
+        raise UserError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {settings.gguf_type}")
     if gguf_file:
         model_file, config = Path(path) / gguf_file, AutoConfig.from_pretrained(path, gguf_file=gguf_file)
+        if settings.gguf_type != "native":  # same values, another storage type: a like-for-like speed comparison
+            retyped = Path(tmp) / f"{name}-{settings.gguf_type}.gguf"
+            quantize(model_file, retyped, settings.gguf_type.upper(), allow_requantize=True)
+            model_file = retyped
     else:
-        outtype = "f32" if settings.dtype in ("float32", "auto") else "bf16"
+        outtype = settings.gguf_type if settings.gguf_type != "native" else (
+            "f32" if settings.dtype in ("float32", "auto") else "bf16")
         model_file = Path(tmp) / f"{name}-{outtype}.gguf"
         export_gguf(GGUFSettings(checkpoint=path, output=str(model_file), outtype=outtype,
                                  tokenizer_gguf=str(Path(settings.original) / settings.gguf_file)))

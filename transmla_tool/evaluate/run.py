@@ -44,6 +44,10 @@ class EvalSettings:
     attention: str = "both"
     # where the models run: "transformers", or "vllm" (its own venv: `make engines`)
     engine: str = "transformers"
+    # --engine llamacpp: file type of both GGUFs. "native": the original as given, the converted exported at
+    # f32 (float32 eval) or bf16; "f32"/"bf16"/"q8_0": the original re-typed with llama-quantize
+    # --allow-requantize and the converted exported at that type, so decode speeds compare like with like
+    gguf_type: str = "native"
     tasks: list[str] = field(default_factory=list)
     limit: float | None = None
     num_fewshot: int | None = None
@@ -213,7 +217,8 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
     orig, conv = results["original"], results["converted"]
     both = ("original", "converted")
     report = {
-        "models": {k: {f: results[k][f] for f in ("model", "model_type", "parameters", "num_layers")} for k in both},
+        "models": {k: {f: results[k][f] for f in ("model", "model_type", "parameters", "num_layers", "engine")
+                       if f in results[k]} for k in both},
         "perplexity": {
             "original": orig["perplexity"]["perplexity"],
             "converted": conv["perplexity"]["perplexity"],
@@ -270,8 +275,9 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
             "(time to generate 1 + N tokens - time to generate 1), median of 3 after a warm-up, batch 1.")
     elif settings.engine == "llamacpp":
         report["notes"].append(
-            f"Measured in llama.cpp ({conv['engine']['version']}): the original GGUF as given "
-            f"({orig['engine']['file_type']}), the converted checkpoint exported by `transmla-tool export-gguf` "
+            f"Measured in llama.cpp ({conv['engine']['version']}): the original GGUF "
+            + ("as given" if settings.gguf_type == "native" else "re-typed by llama-quantize --allow-requantize")
+            + f" ({orig['engine']['file_type']}), the converted checkpoint exported by `transmla-tool export-gguf` "
             f"({conv['engine']['file_type']}; decode speed compares these types); perplexity from "
             "llama-perplexity with one chunk per window (it scores the second half of each chunk, so it is not the "
             "transformers number); KV cache = the bytes per token per layer llama-perplexity allocated (f16 cache) x "
