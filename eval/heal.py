@@ -95,7 +95,7 @@ def main() -> None:
 
 def write_report(out: Path, rows: list[dict], original: float, summary: dict, setup: str) -> None:
     evals = [(r["tokens"], r["eval_perplexity"]) for r in rows if "eval_perplexity" in r]
-    speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    speeds = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s") is not None]  # None: a step not timed
     lines = [
         f"# Healing SmolLM2-135M at 192/384 cache values (original held-out perplexity {original:.3f})",
         "",
