@@ -33,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quality import _append, _read, parse_config, save_ratio_plot  # noqa: E402
 
 from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
-from transmla_tool.convert import ConvertSettings, convert_many  # noqa: E402
+from transmla_tool.convert import ConvertSettings, convert_many, resolve_device  # noqa: E402
 from transmla_tool.data import token_windows  # noqa: E402
 from transmla_tool.evaluate.perplexity import perplexity  # noqa: E402
 from transmla_tool.evaluate.run import load_model, load_tokenizer  # noqa: E402
+
 from transmla_tool.methods import resolve_method  # noqa: E402
 
 
@@ -61,7 +62,9 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows of 512 tokens per domain")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device", default="auto", help="conversion and scoring device (auto, cpu, cuda)")
+    parser.add_argument("--data-dir", help="domain splits written by an earlier run (default <output-dir>/data, "
+                        "rebuilt): reuse them so that another machine's Python does not change the code/docs text")
     parser.add_argument("--table-only", action="store_true", help="rebuild the tables and plot, convert nothing")
     args = parser.parse_args()
 
@@ -72,7 +75,8 @@ def main() -> None:
         write_tables(out)
         return
     model_dir, gguf = smollm2_gguf()
-    splits = domain_splits(out / "data")
+    splits = reuse_splits(Path(args.data_dir)) if args.data_dir else domain_splits(out / "data")
+    device = resolve_device(args.device)
     tokenizer = load_tokenizer(model_dir, gguf)
     windows = {d: token_windows(str(splits[d][1]), tokenizer, 512, args.eval_windows, min_windows=args.eval_windows)
                for d in DOMAINS}
@@ -80,7 +84,7 @@ def main() -> None:
 
     for domain in DOMAINS:
         if ("-", "original", 384, domain) not in done:
-            model = load_model(model_dir, gguf, torch.float32, torch.device("cpu"))
+            model = load_model(model_dir, gguf, torch.float32, device)
             ppl = perplexity(model, windows[domain], desc=f"original on {domain}")["perplexity"]
             _append(results, {"calib": "-", "config": "original", "budget": 384, "domain": domain, "perplexity": ppl})
             del model
@@ -103,7 +107,7 @@ def main() -> None:
             ), outputs)
             seconds = round(time.time() - start, 1)
             for latent, path in outputs.items():
-                model = load_model(path, None, torch.float32, torch.device("cpu"))
+                model = load_model(path, None, torch.float32, device)
                 for domain in DOMAINS:
                     ppl = perplexity(model, windows[domain],
                                      desc=f"{name} @ {latent + args.rope_dim} ({source} -> {domain})")["perplexity"]
@@ -112,8 +116,18 @@ def main() -> None:
                                       "ratio": ppl / original[domain], "convert_seconds_all_budgets": seconds})
                 del model
                 gc.collect()
+                torch.cuda.empty_cache()
                 shutil.rmtree(path, ignore_errors=True)
     write_tables(out)
+
+
+def reuse_splits(directory: Path) -> dict:
+    """{domain: (calib, heldout)} from a directory an earlier run wrote; every file must be there."""
+    splits = {d: (directory / f"{d}-calib.jsonl", directory / f"{d}-heldout.jsonl") for d in DOMAINS}
+    missing = [str(p) for pair in splits.values() for p in pair if not p.exists()]
+    if missing:
+        raise SystemExit(f"--data-dir {directory} lacks {missing[0]}: point it at an earlier run's <output-dir>/data")
+    return splits
 
 
 def write_tables(out: Path) -> None:
