@@ -82,13 +82,17 @@ def main() -> None:
                for d in DOMAINS}
     done = {(r["calib"], r["config"], r["budget"], r["domain"]) for r in _read(results)}
 
+    # the original is scored on every device that scores converted models: fp32 perplexities differ
+    # between devices by more than the effects measured here, so a ratio never mixes two devices
+    original = originals(results)
     for domain in DOMAINS:
-        if ("-", "original", 384, domain) not in done:
+        if (device.type, domain) not in original:
             model = load_model(model_dir, gguf, torch.float32, device)
             ppl = perplexity(model, windows[domain], desc=f"original on {domain}")["perplexity"]
-            _append(results, {"calib": "-", "config": "original", "budget": 384, "domain": domain, "perplexity": ppl})
+            _append(results, {"calib": "-", "config": "original", "budget": 384, "domain": domain, "perplexity": ppl,
+                              "device": device.type})
             del model
-    original = {r["domain"]: r["perplexity"] for r in _read(results) if r["config"] == "original"}
+    original = originals(results)
 
     budgets = [int(b) for b in args.budgets.split(",")]
     for source in args.calib.split(","):
@@ -113,7 +117,8 @@ def main() -> None:
                                      desc=f"{name} @ {latent + args.rope_dim} ({source} -> {domain})")["perplexity"]
                     _append(results, {"calib": source, "config": name, "preset": preset, "overrides": overrides,
                                       "budget": latent + args.rope_dim, "domain": domain, "perplexity": ppl,
-                                      "ratio": ppl / original[domain], "convert_seconds_all_budgets": seconds})
+                                      "ratio": ppl / original[(device.type, domain)], "device": device.type,
+                                      "convert_seconds_all_budgets": seconds})
                 del model
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -130,15 +135,26 @@ def reuse_splits(directory: Path) -> dict:
     return splits
 
 
+def originals(results: Path) -> dict:
+    """{(device type, domain): perplexity of the original} (rows without a device were scored on the CPU)."""
+    return {(r.get("device", "cpu"), r["domain"]): r["perplexity"] for r in _read(results) if r["config"] == "original"}
+
+
 def write_tables(out: Path) -> None:
     rows = [r for r in _read(out / "crossdomain.jsonl") if r["config"] != "original"]
-    original = {r["domain"]: r["perplexity"] for r in _read(out / "crossdomain.jsonl") if r["config"] == "original"}
-    cell = {(r["calib"], r["config"], r["budget"], r["domain"]): r["ratio"] for r in rows}
+    by_device = originals(out / "crossdomain.jsonl")
+    # a cell is the converted model's perplexity over the original's on the same device
+    cell = {(r["calib"], r["config"], r["budget"], r["domain"]): r["perplexity"] / by_device[(r.get("device", "cpu"),
+                                                                                                r["domain"])]
+            for r in rows}
+    devices = sorted({dev for dev, _ in by_device})
     configs = list(dict.fromkeys(r["config"] for r in rows))
     budgets = sorted({r["budget"] for r in rows})
     sources = list(dict.fromkeys(r["calib"] for r in rows))
-    lines = ["Perplexity ratio converted / original on each domain's held-out text (original: "
-             + ", ".join(f"{d} {original[d]:.2f}" for d in DOMAINS if d in original) + ").", ""]
+    lines = ["Perplexity ratio converted / original on each domain's held-out text, both scored on the same "
+             "device (original: " + "; ".join(
+                 f"{dev} " + ", ".join(f"{d} {by_device[(dev, d)]:.2f}" for d in DOMAINS if (dev, d) in by_device)
+                 for dev in devices) + ").", ""]
 
     # headline: worst off-diagonal cell (calibrated on one domain, scored on another) per budget
     lines += ["Worst off-diagonal cell (calibrated on one domain, scored on another):", "",
@@ -204,7 +220,7 @@ def _plot(out: Path, configs, budgets, worst, cell) -> None:
             if off:
                 pts.append((b / 384, max(off)))
                 partial |= len(off) < full
-        if pts:
+        if len(pts) > 1:  # one-budget ablation rows are in the tables, not the plot
             ax.plot(*zip(*pts), marker="o", linestyle="--" if partial else "-",
                     label=f"{config}: worst off-domain" + (" (rows not all run)" if partial else ""))
         diag = [(b / 384, max(cell[(d, config, b, d)] for d in DOMAINS)) for b in budgets

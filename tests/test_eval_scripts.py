@@ -23,3 +23,27 @@ def test_mla_decode_runs_and_checks_paths(make_model, convert_tiny, dtype):
     # cache bytes: GQA holds 2 KV heads x (16 + 16) per token, MLA latent 24 + rope (bf16 bytes)
     cells = rows[1].strip("|").split("|")
     assert int(cells[4]) == 2 * 2 * 16 * 256 * 2
+
+
+def test_crossdomain_tables_divide_by_the_original_on_the_same_device(tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("crossdomain", ROOT / "eval" / "crossdomain.py")
+    crossdomain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(crossdomain)
+    domains = crossdomain.DOMAINS
+    rows = []
+    for device, scale in (("cpu", 1.0), ("cuda", 1.02)):  # the GPU's original scores 2% higher
+        rows += [{"calib": "-", "config": "original", "budget": 384, "domain": d, "perplexity": 10.0 * scale,
+                  "device": device} for d in domains]
+    # news row scored on the GPU, forum row on the CPU: both are truly 1.5x their own device's original
+    rows += [{"calib": "news", "config": "default", "budget": 192, "domain": d, "perplexity": 15.3, "device": "cuda"}
+             for d in domains]
+    rows += [{"calib": "forum", "config": "default", "budget": 192, "domain": d, "perplexity": 15.0} for d in domains]
+    (tmp_path / "crossdomain.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    crossdomain.write_tables(tmp_path)
+    table = (tmp_path / "crossdomain.md").read_text()
+    assert "| default | news | **1.500** | 1.500 | 1.500 | 1.500 |" in table
+    assert "| default | forum | 1.500 | **1.500** | 1.500 | 1.500 |" in table
+    assert (tmp_path / "crossdomain.png").exists()
