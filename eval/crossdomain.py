@@ -37,7 +37,6 @@ from transmla_tool.convert import ConvertSettings, convert_many, resolve_device 
 from transmla_tool.data import token_windows  # noqa: E402
 from transmla_tool.evaluate.perplexity import perplexity  # noqa: E402
 from transmla_tool.evaluate.run import load_model, load_tokenizer  # noqa: E402
-
 from transmla_tool.methods import resolve_method  # noqa: E402
 
 
@@ -85,14 +84,15 @@ def main() -> None:
     # the original is scored on every device that scores converted models: fp32 perplexities differ
     # between devices by more than the effects measured here, so a ratio never mixes two devices
     original = originals(results)
-    for domain in DOMAINS:
-        if (device.type, domain) not in original:
-            model = load_model(model_dir, gguf, torch.float32, device)
+    missing = [d for d in DOMAINS if (device.type, d) not in original]
+    if missing:
+        model = load_model(model_dir, gguf, torch.float32, device)
+        for domain in missing:
             ppl = perplexity(model, windows[domain], desc=f"original on {domain}")["perplexity"]
+            original[(device.type, domain)] = ppl
             _append(results, {"calib": "-", "config": "original", "budget": 384, "domain": domain, "perplexity": ppl,
                               "device": device.type})
-            del model
-    original = originals(results)
+        del model
 
     budgets = [int(b) for b in args.budgets.split(",")]
     for source in args.calib.split(","):
@@ -135,17 +135,20 @@ def reuse_splits(directory: Path) -> dict:
     return splits
 
 
+def _device(row: dict) -> str:
+    return row.get("device", "cpu")  # rows written before devices were recorded were scored on the CPU
+
+
 def originals(results: Path) -> dict:
-    """{(device type, domain): perplexity of the original} (rows without a device were scored on the CPU)."""
-    return {(r.get("device", "cpu"), r["domain"]): r["perplexity"] for r in _read(results) if r["config"] == "original"}
+    """{(device type, domain): perplexity of the original}."""
+    return {(_device(r), r["domain"]): r["perplexity"] for r in _read(results) if r["config"] == "original"}
 
 
 def write_tables(out: Path) -> None:
     rows = [r for r in _read(out / "crossdomain.jsonl") if r["config"] != "original"]
     by_device = originals(out / "crossdomain.jsonl")
     # a cell is the converted model's perplexity over the original's on the same device
-    cell = {(r["calib"], r["config"], r["budget"], r["domain"]): r["perplexity"] / by_device[(r.get("device", "cpu"),
-                                                                                                r["domain"])]
+    cell = {(r["calib"], r["config"], r["budget"], r["domain"]): r["perplexity"] / by_device[(_device(r), r["domain"])]
             for r in rows}
     devices = sorted({dev for dev, _ in by_device})
     configs = list(dict.fromkeys(r["config"] for r in rows))
