@@ -445,7 +445,9 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
                 with stage("refine"):
                     mla, ref = refine(mla, x_refine, y_refine, target_cos, target_sin, steps=method.refine_steps,
                                       lr=method.refine_lr, batch=method.refine_batch, queries=method.refine_queries,
-                                      holdout=holdout, seed=settings.seed + i, anchor=method.refine_anchor)
+                                      holdout=holdout, seed=settings.seed + i, anchor=method.refine_anchor,
+                                      noise=method.refine_noise,
+                                      teacher=lambda x: _source_attention(layer, x, cos, sin))
                 report.update(refine_loss_before=round(ref.loss_before, 6), refine_loss_after=round(ref.loss_after, 6),
                               refine_seconds=round(ref.seconds, 2))
             mla = pad_latent(mla, t.config.kv_lora_rank)
@@ -515,8 +517,13 @@ def _refine_data(layer, inputs, cos, sin, batch):
     for rows in chunks(inputs.shape[0], batch):
         x = layer.input_layernorm(inputs[rows])
         xs.append(x)
-        ys.append(layer.self_attn(x, position_embeddings=(cos[None], sin[None]), attention_mask=None)[0])
+        ys.append(_source_attention(layer, x, cos, sin))
     return torch.cat(xs), torch.cat(ys)
+
+
+def _source_attention(layer, x, cos, sin):
+    """The source attention block (causal) on its normalized inputs x (B, L, d)."""
+    return layer.self_attn(x, position_embeddings=(cos[None], sin[None]), attention_mask=None)[0]
 
 
 def _cpu(t):

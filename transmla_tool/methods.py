@@ -38,6 +38,10 @@ class Method:
     # Pull of the refinement toward its closed-form start (0 = none): anchor x mean relative squared change
     # of the weights, added to the fitted loss (a prior against over-fitting the calibration text).
     refine_anchor: float = 0.0
+    # Input noise of the refinement (0 = none): each training window is perturbed by Gaussian noise of up
+    # to this fraction of each channel's RMS and fitted to the source block's output on it, so the fit
+    # also holds off the calibration text's own directions.
+    refine_noise: float = 0.0
     # Inputs each layer is calibrated on: "source" (source model's hidden states) or "converted"
     # (the converted model's own hidden states, so errors do not accumulate across layers).
     calib_inputs: str = "source"
@@ -83,6 +87,8 @@ class Method:
             raise UserError("kv_balance=output needs latent_weighting=attention")
         if self.refine_anchor < 0:
             raise UserError(f"refine_anchor={self.refine_anchor} must be >= 0")
+        if self.refine_noise < 0:
+            raise UserError(f"refine_noise={self.refine_noise} must be >= 0")
         if not 0.0 <= self.moment_shrinkage <= 1.0:
             raise UserError(f"moment_shrinkage={self.moment_shrinkage} must be between 0 and 1")
         if min(self.refine_steps, self.refine_queries) < 0 or min(self.rope_pool, self.refine_batch,

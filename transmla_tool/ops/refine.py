@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -42,7 +43,8 @@ def evaluate(mla: MLAWeights, inputs, targets, cos, sin, batch: int) -> float:
 
 def refine(mla: MLAWeights, inputs: torch.Tensor, targets: torch.Tensor, cos, sin, *, steps: int,
            lr: float = 1e-3, batch: int = 8, queries: int = 0, holdout: int = 0,
-           seed: int = 0, anchor: float = 0.0) -> tuple[MLAWeights, RefineReport]:
+           seed: int = 0, anchor: float = 0.0, noise: float = 0.0,
+           teacher: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[MLAWeights, RefineReport]:
     """Fit `mla` (fp32 on the inputs' device) so that mla_attention(inputs) ~= targets.
 
     inputs/targets: (N, L, d). Each step uses `batch` random windows and, when `queries` > 0, only
@@ -51,7 +53,13 @@ def refine(mla: MLAWeights, inputs: torch.Tensor, targets: torch.Tensor, cos, si
     trained on and give the reported losses; with holdout=0 they are measured on the training windows.
     `anchor` > 0 adds anchor x the mean over tensors of |p - p0|^2 / |p0|^2 (p0: the starting weights) to
     the loss, so the fit moves away from the closed form only where the calibration text pays for it.
+    `noise` > 0 (needs `teacher`, the source attention block) fits on perturbed inputs too: each training
+    window gets Gaussian noise of u x noise x that channel's RMS (u uniform in [0, 1) per window) and
+    its target is teacher(noisy window). Inputs then cover directions the calibration text rarely
+    visits, the refinement-side counterpart of diagonal moment shrinkage (covariance + noise^2 u^2 diag).
     """
+    if noise > 0 and teacher is None:
+        raise ValueError("refine(noise > 0) needs the source attention block as teacher")
     start = time.time()
     train_x, train_t = inputs[: inputs.shape[0] - holdout], targets[: targets.shape[0] - holdout]
     eval_x, eval_t = (inputs[-holdout:], targets[-holdout:]) if holdout else (train_x, train_t)
@@ -70,6 +78,7 @@ def refine(mla: MLAWeights, inputs: torch.Tensor, targets: torch.Tensor, cos, si
     base = [g["lr"] for g in optimizer.param_groups]
     gen = torch.Generator().manual_seed(seed)
     n, length = train_x.shape[0], train_x.shape[1]
+    channel_rms = train_x.pow(2).mean(dim=(0, 1)).sqrt() if noise > 0 else None
     for step in range(steps):
         # cosine decay to 10% with a short warm-up
         factor = min(1.0, (step + 1) / max(1, steps // 10)) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
@@ -77,11 +86,17 @@ def refine(mla: MLAWeights, inputs: torch.Tensor, targets: torch.Tensor, cos, si
             group["lr"] = lr0 * factor
         idx = torch.randperm(n, generator=gen)[: min(batch, n)].to(inputs.device)
         current = replace(mla, **params)
+        x, target = train_x[idx], train_t[idx]
+        if noise > 0:
+            scale = torch.rand(x.shape[0], 1, 1, generator=gen) * noise
+            x = x + (scale * torch.randn(x.shape, generator=gen)).to(x.device, x.dtype) * channel_rms
+            with torch.no_grad():
+                target = teacher(x)
         if 0 < queries < length:
             pos = torch.randperm(length, generator=gen)[:queries].sort().values.to(inputs.device)
-            loss = _relative_mse(mla_attention(train_x[idx], current, cos, sin, pos), train_t[idx][:, pos])
+            loss = _relative_mse(mla_attention(x, current, cos, sin, pos), target[:, pos])
         else:
-            loss = _relative_mse(mla_attention(train_x[idx], current, cos, sin), train_t[idx])
+            loss = _relative_mse(mla_attention(x, current, cos, sin), target)
         if anchor > 0:
             loss = loss + anchor * sum((params[n] - start_weights[n]).pow(2).sum() / start_norms[n]
                                        for n in names) / len(names)
