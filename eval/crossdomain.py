@@ -13,8 +13,9 @@ to score a domain the mix never saw).
     python eval/crossdomain.py --output-dir runs/crossdomain                        # full matrix
     python eval/crossdomain.py --calib mix,mix-code --budgets 192 --configs default  # one slice
 
-Rows are appended to <output-dir>/crossdomain.jsonl (resumable); the tables (markdown) and the
-plot are rebuilt from it. Configurations are written as in eval/quality.py (`name=preset[:k=v,...]`).
+Rows are appended to <output-dir>/crossdomain.jsonl (resumable: a row is keyed by source, config name,
+budget and domain, so a run with another --calib-samples needs its own config name; rows record it);
+the tables (markdown) and the plot are rebuilt from it. Configurations are written as in eval/quality.py (`name=preset[:k=v,...]`).
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def main() -> None:
                     _append(results, {"calib": source, "config": name, "preset": preset, "overrides": overrides,
                                       "budget": latent + args.rope_dim, "domain": domain, "perplexity": ppl,
                                       "ratio": ppl / original[(device.type, domain)], "device": device.type,
+                                      "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len,
                                       "convert_seconds_all_budgets": seconds})
                 del model
                 gc.collect()
