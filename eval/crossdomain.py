@@ -15,7 +15,8 @@ to score a domain the mix never saw).
 
 Rows are appended to <output-dir>/crossdomain.jsonl (resumable: a row is keyed by source, config name,
 budget and domain, so a run with another --calib-samples needs its own config name; rows record it);
-the tables (markdown) and the plot are rebuilt from it. Configurations are written as in eval/quality.py (`name=preset[:k=v,...]`).
+the tables (markdown) and the plot are rebuilt from it. Configurations are written as in
+eval/quality.py (`name=preset[:k=v,...]`).
 """
 
 from __future__ import annotations
