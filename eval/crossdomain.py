@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="96,120,192,256,320", help="cache values per token per layer")
     parser.add_argument("--rope-dim", type=int, default=64)
     parser.add_argument("--configs", default="transmla;closed-form;default", help="';'-separated configurations")
-    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows of 512 tokens per domain")
     parser.add_argument("--device", default="auto", help="conversion and scoring device (auto, cpu, cuda)")

@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--rope-dim", type=int, default=64)
     parser.add_argument("--configs", default=";".join(DEFAULT_CONFIGS),
                         help="';'-separated configurations (see module doc)")
-    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=32, help="held-out windows of 512 tokens")
     parser.add_argument("--device", default="auto")

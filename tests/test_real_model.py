@@ -13,6 +13,7 @@ from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
 from transmla_tool.convert import ConvertSettings, convert
 from transmla_tool.data import token_windows
 from transmla_tool.evaluate.perplexity import perplexity
+from transmla_tool.methods import resolve_method
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +32,8 @@ def smollm2_converted(tmp_path_factory):
     summary = convert(ConvertSettings(
         model=model_dir, gguf_file=gguf, output=str(out), latent_dim=128, rope_dim=64, calib_data=str(calib),
         calib_samples=16, calib_seq_len=512, dtype="float32", device="cpu", progress=False,
+        # the default method with a sixth of its refinement steps: 600 would add ~30 min on a 2-core CI machine
+        method=resolve_method("default", ["refine_steps=100"]),
     ))
     return model_dir, gguf, out, heldout, summary
 

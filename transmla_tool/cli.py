@@ -30,7 +30,7 @@ def _add_convert_args(p: argparse.ArgumentParser, calib_default: str | None = "d
                    "SPEC=WEIGHT,SPEC=WEIGHT,... (windows per source in proportion, interleaved; default: web text, "
                    "code and dialogue from the hub)"
                    + ("" if calib_default else "; default: the start of --data (scored windows come after it)"))
-    p.add_argument("--calib-samples", type=int, default=64, help="calibration windows")
+    p.add_argument("--calib-samples", type=int, default=128, help="calibration windows (of --calib-seq-len tokens)")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
     p.add_argument("--text-field", default="text", help="text column of .jsonl/.parquet/datasets data")
     p.add_argument("--method", default="default",

@@ -96,7 +96,7 @@ class ConvertSettings:
     gguf_file: str | None = None
     revision: str | None = None
     calib_data: str = DEFAULT_CALIB_DATA
-    calib_samples: int = 64
+    calib_samples: int = 128
     calib_seq_len: int = 512
     text_field: str = "text"
     dtype: str = "auto"
