@@ -14,7 +14,8 @@ to score a domain the mix never saw).
     python eval/crossdomain.py --calib mix,mix-code --budgets 192 --configs default  # one slice
 
 Rows are appended to <output-dir>/crossdomain.jsonl (resumable: a row is keyed by source, config name,
-budget and domain, so a run with another --calib-samples needs its own config name; rows record it);
+budget and domain; rows record the resolved method and calibration size, and a rerun under a name whose
+rows were made otherwise stops with an error instead of skipping them);
 the tables (markdown) and the plot are rebuilt from it. Configurations are written as in
 eval/quality.py (`name=preset[:k=v,...]`).
 """
@@ -81,7 +82,8 @@ def main() -> None:
     tokenizer = load_tokenizer(model_dir, gguf)
     windows = {d: token_windows(str(splits[d][1]), tokenizer, 512, args.eval_windows, min_windows=args.eval_windows)
                for d in DOMAINS}
-    done = {(r["calib"], r["config"], r["budget"], r["domain"]) for r in _read(results)}
+    rows = _read(results)
+    done = {(r["calib"], r["config"], r["budget"], r["domain"]) for r in rows}
 
     # the original is scored on every device that scores converted models: fp32 perplexities differ
     # between devices by more than the effects measured here, so a ratio never mixes two devices
@@ -100,6 +102,10 @@ def main() -> None:
     for source in args.calib.split(","):
         spec = calib_spec(source, splits)
         for name, preset, overrides in (parse_config(c) for c in args.configs.split(";") if c):
+            method = resolve_method(preset, overrides)
+            made = {"method": method.as_dict(), "calib_samples": args.calib_samples,
+                    "calib_seq_len": args.calib_seq_len}
+            check_resumable(rows, results, source, name, made)
             todo = [b for b in budgets if any((source, name, b, d) not in done for d in DOMAINS)]
             if not todo:
                 continue
@@ -109,7 +115,7 @@ def main() -> None:
                 model=model_dir, gguf_file=gguf, output="", latent_dim=max(outputs), rope_dim=args.rope_dim,
                 calib_data=spec, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
                 dtype="float32", device=args.device, overwrite=True, target="transformers",
-                method=resolve_method(preset, overrides), method_name=preset,
+                method=method, method_name=preset,
             ), outputs)
             seconds = round(time.time() - start, 1)
             for latent, path in outputs.items():
@@ -120,13 +126,24 @@ def main() -> None:
                     _append(results, {"calib": source, "config": name, "preset": preset, "overrides": overrides,
                                       "budget": latent + args.rope_dim, "domain": domain, "perplexity": ppl,
                                       "ratio": ppl / original[(device.type, domain)], "device": device.type,
-                                      "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len,
-                                      "convert_seconds_all_budgets": seconds})
+                                      **made, "convert_seconds_all_budgets": seconds})
                 del model
                 gc.collect()
                 torch.cuda.empty_cache()
                 shutil.rmtree(path, ignore_errors=True)
     write_tables(out)
+
+
+def check_resumable(rows: list[dict], results: Path, source: str, name: str, made: dict) -> None:
+    """A rerun skips the rows it finds by (source, config name, budget, domain): refuse when the rows under
+    that name were made with another method or calibration size (`default` before the default changed)."""
+    for row in rows:
+        if (row["calib"], row["config"]) == (source, name):
+            differs = [k for k, v in made.items() if row.get(k) != v]
+            if differs:
+                raise SystemExit(f"{results} holds rows '{name}' calibrated on {source} made with another "
+                                 f"{' and '.join(differs)} (or before rows recorded it): give this run another "
+                                 "config name or --output-dir")
 
 
 def reuse_splits(directory: Path) -> dict:

@@ -25,13 +25,19 @@ def test_mla_decode_runs_and_checks_paths(make_model, convert_tiny, dtype):
     assert int(cells[4]) == 2 * 2 * 16 * 256 * 2
 
 
-def test_crossdomain_tables_divide_by_the_original_on_the_same_device(tmp_path):
+def _crossdomain():
     import importlib.util
-    import json
 
     spec = importlib.util.spec_from_file_location("crossdomain", ROOT / "eval" / "crossdomain.py")
-    crossdomain = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(crossdomain)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_crossdomain_tables_divide_by_the_original_on_the_same_device(tmp_path):
+    import json
+
+    crossdomain = _crossdomain()
     domains = crossdomain.DOMAINS
     rows = []
     for device, scale in (("cpu", 1.0), ("cuda", 1.02)):  # the GPU's original scores 2% higher
@@ -47,3 +53,23 @@ def test_crossdomain_tables_divide_by_the_original_on_the_same_device(tmp_path):
     assert "| default | news | **1.500** | 1.500 | 1.500 | 1.500 |" in table
     assert "| default | forum | 1.500 | **1.500** | 1.500 | 1.500 |" in table
     assert (tmp_path / "crossdomain.png").exists()
+
+
+def test_crossdomain_refuses_to_resume_rows_made_otherwise(tmp_path):
+    """Rows are skipped by config name on a rerun: rows under that name made with another method or
+    calibration size (or by a version that did not record them) stop the run instead of being reused."""
+    from transmla_tool.methods import PRESETS
+
+    check = _crossdomain().check_resumable
+    results = tmp_path / "crossdomain.jsonl"
+    made = {"method": PRESETS["default"].as_dict(), "calib_samples": 128, "calib_seq_len": 512}
+    rows = [{"calib": "news", "config": "default", "budget": 192, "domain": d, **made} for d in ("news", "code")]
+    check(rows, results, "news", "default", dict(made))  # the same run: resumes
+    check(rows, results, "forum", "default", {**made, "calib_samples": 64})  # another source: its own rows
+    with pytest.raises(SystemExit, match="calib_samples"):
+        check(rows, results, "news", "default", {**made, "calib_samples": 64})
+    with pytest.raises(SystemExit, match="method"):
+        check(rows, results, "news", "default", {**made, "method": PRESETS["closed-form"].as_dict()})
+    legacy = [{"calib": "news", "config": "default", "budget": 192, "domain": "news", "perplexity": 40.0}]
+    with pytest.raises(SystemExit, match="before rows recorded it"):
+        check(legacy, results, "news", "default", made)
