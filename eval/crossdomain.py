@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from quality import _append, _read, parse_config, save_ratio_plot  # noqa: E402
+from quality import _append, _read, check_resumable, parse_config, save_ratio_plot  # noqa: E402
 
 from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
 from transmla_tool.convert import ConvertSettings, convert_many, resolve_device  # noqa: E402
@@ -105,7 +105,7 @@ def main() -> None:
             method = resolve_method(preset, overrides)
             made = {"method": method.as_dict(), "calib_samples": args.calib_samples,
                     "calib_seq_len": args.calib_seq_len}
-            check_resumable(rows, results, source, name, made)
+            check_resumable(rows, results, {"calib": source, "config": name}, made)
             todo = [b for b in budgets if any((source, name, b, d) not in done for d in DOMAINS)]
             if not todo:
                 continue
@@ -132,18 +132,6 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 shutil.rmtree(path, ignore_errors=True)
     write_tables(out)
-
-
-def check_resumable(rows: list[dict], results: Path, source: str, name: str, made: dict) -> None:
-    """A rerun skips the rows it finds by (source, config name, budget, domain): refuse when the rows under
-    that name were made with another method or calibration size (`default` before the default changed)."""
-    for row in rows:
-        if (row["calib"], row["config"]) == (source, name):
-            differs = [k for k, v in made.items() if row.get(k) != v]
-            if differs:
-                raise SystemExit(f"{results} holds rows '{name}' calibrated on {source} made with another "
-                                 f"{' and '.join(differs)} (or before rows recorded it): give this run another "
-                                 "config name or --output-dir")
 
 
 def reuse_splits(directory: Path) -> dict:

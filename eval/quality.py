@@ -10,7 +10,8 @@ with the stock DeepseekV3ForCausalLM loaded from the written checkpoint.
 
 A configuration is `name=preset[:setting=value,...]`, or a bare preset name; e.g.
 `refine-300=default:refine_steps=300`. Results are appended to <output-dir>/quality.jsonl as they come
-in, so an interrupted run resumes where it stopped; the table and plot are rebuilt from that file.
+in, so an interrupted run resumes where it stopped (rows record the resolved method and calibration
+size; a name whose rows were made otherwise stops the run); the table and plot are rebuilt from that file.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def main() -> None:
     tokenizer = load_tokenizer(model_dir, gguf)
     windows = token_windows(str(heldout), tokenizer, 512, args.eval_windows)
     results_path = out / "quality.jsonl"
-    done = {(r["config"], r["budget"]) for r in _read(results_path)}
+    rows = _read(results_path)
+    done = {(r["config"], r["budget"]) for r in rows}
     budgets = [int(b) for b in args.budgets.split(",")]
     configs = [parse_config(c) for c in args.configs.split(";") if c]
 
@@ -86,10 +88,12 @@ def main() -> None:
         del model
 
     for name, preset, overrides in configs:
+        method = resolve_method(preset, overrides)
+        made = {"method": method.as_dict(), "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len}
+        check_resumable(rows, results_path, {"config": name}, made)
         todo = [b for b in budgets if (name, b) not in done]
         if not todo:
             continue
-        method = resolve_method(preset, overrides)
         outputs = {b - args.rope_dim: str(out / "ckpt" / f"{name.replace(':', '_')}-{b}") for b in todo}
         start = time.time()
         summaries = convert_many(ConvertSettings(
@@ -104,7 +108,7 @@ def main() -> None:
             layers = summaries[latent]["layers"]
             _append(results_path, {
                 "config": name, "preset": preset, "overrides": overrides, "budget": latent + args.rope_dim,
-                "latent_dim": latent, "perplexity": ppl, "convert_seconds_all_budgets": round(seconds, 1),
+                "latent_dim": latent, "perplexity": ppl, **made, "convert_seconds_all_budgets": round(seconds, 1),
                 "mean_refine_loss": _mean(layers, "refine_loss_after"),
                 "mean_closed_form_loss": _mean(layers, "refine_loss_before"),
             })
@@ -123,6 +127,18 @@ def _read(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_resumable(rows: list[dict], results: Path, where: dict, made: dict) -> None:
+    """A rerun skips the rows it finds by config name: refuse when the rows matching `where` were made with
+    another method or calibration size (`default` before the default changed, or before rows recorded it)."""
+    for row in rows:
+        if all(row.get(k) == v for k, v in where.items()):
+            differs = [k for k, v in made.items() if row.get(k) != v]
+            if differs:
+                label = ", ".join(f"{k} {v}" for k, v in where.items())
+                raise SystemExit(f"{results} holds rows ({label}) made with another {' and '.join(differs)} "
+                                 "(or before rows recorded it): give this run another config name or --output-dir")
 
 
 def _append(path: Path, row: dict) -> None:

@@ -64,12 +64,13 @@ def test_crossdomain_refuses_to_resume_rows_made_otherwise(tmp_path):
     results = tmp_path / "crossdomain.jsonl"
     made = {"method": PRESETS["default"].as_dict(), "calib_samples": 128, "calib_seq_len": 512}
     rows = [{"calib": "news", "config": "default", "budget": 192, "domain": d, **made} for d in ("news", "code")]
-    check(rows, results, "news", "default", dict(made))  # the same run: resumes
-    check(rows, results, "forum", "default", {**made, "calib_samples": 64})  # another source: its own rows
+    news, forum = {"calib": "news", "config": "default"}, {"calib": "forum", "config": "default"}
+    check(rows, results, news, dict(made))  # the same run: resumes
+    check(rows, results, forum, {**made, "calib_samples": 64})  # another source: its own rows
     with pytest.raises(SystemExit, match="calib_samples"):
-        check(rows, results, "news", "default", {**made, "calib_samples": 64})
+        check(rows, results, news, {**made, "calib_samples": 64})
     with pytest.raises(SystemExit, match="method"):
-        check(rows, results, "news", "default", {**made, "method": PRESETS["closed-form"].as_dict()})
+        check(rows, results, news, {**made, "method": PRESETS["closed-form"].as_dict()})
     legacy = [{"calib": "news", "config": "default", "budget": 192, "domain": "news", "perplexity": 40.0}]
     with pytest.raises(SystemExit, match="before rows recorded it"):
-        check(legacy, results, "news", "default", made)
+        check(legacy, results, news, made)
