@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from quality import _append, _read, check_resumable, parse_config, save_ratio_plot  # noqa: E402
+from quality import _append, _read, check_resumable, made_with, parse_config, save_ratio_plot  # noqa: E402
 
 from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
 from transmla_tool.convert import ConvertSettings, convert_many, resolve_device  # noqa: E402
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="96,120,192,256,320", help="cache values per token per layer")
     parser.add_argument("--rope-dim", type=int, default=64)
     parser.add_argument("--configs", default="transmla;closed-form;default", help="';'-separated configurations")
-    parser.add_argument("--calib-samples", type=int, default=128)
+    parser.add_argument("--calib-samples", type=int, default=ConvertSettings.calib_samples)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows of 512 tokens per domain")
     parser.add_argument("--device", default="auto", help="conversion and scoring device (auto, cpu, cuda)")
@@ -103,8 +103,7 @@ def main() -> None:
         spec = calib_spec(source, splits)
         for name, preset, overrides in (parse_config(c) for c in args.configs.split(";") if c):
             method = resolve_method(preset, overrides)
-            made = {"method": method.as_dict(), "calib_samples": args.calib_samples,
-                    "calib_seq_len": args.calib_seq_len}
+            made = made_with(method, args)
             check_resumable(rows, results, {"calib": source, "config": name}, made)
             todo = [b for b in budgets if any((source, name, b, d) not in done for d in DOMAINS)]
             if not todo:

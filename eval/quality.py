@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--rope-dim", type=int, default=64)
     parser.add_argument("--configs", default=";".join(DEFAULT_CONFIGS),
                         help="';'-separated configurations (see module doc)")
-    parser.add_argument("--calib-samples", type=int, default=128)
+    parser.add_argument("--calib-samples", type=int, default=ConvertSettings.calib_samples)
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=32, help="held-out windows of 512 tokens")
     parser.add_argument("--device", default="auto")
@@ -89,7 +89,7 @@ def main() -> None:
 
     for name, preset, overrides in configs:
         method = resolve_method(preset, overrides)
-        made = {"method": method.as_dict(), "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len}
+        made = made_with(method, args)
         check_resumable(rows, results_path, {"config": name}, made)
         todo = [b for b in budgets if (name, b) not in done]
         if not todo:
@@ -127,6 +127,11 @@ def _read(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def made_with(method, args) -> dict:
+    """What a row records of how it was made (and what a rerun must match to reuse it)."""
+    return {"method": method.as_dict(), "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len}
 
 
 def check_resumable(rows: list[dict], results: Path, where: dict, made: dict) -> None:

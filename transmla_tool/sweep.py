@@ -37,7 +37,7 @@ class SweepSettings:
     keep_checkpoints: bool = False
     rope_dim: int = 64
     calib_data: str | None = None
-    calib_samples: int = 128
+    calib_samples: int = ConvertSettings.calib_samples
     calib_seq_len: int = 512
     text_field: str = "text"
     method: str = "default"
