@@ -68,13 +68,16 @@ def main() -> None:
     parser.add_argument("--data-dir", help="domain splits written by an earlier run (default <output-dir>/data, "
                         "rebuilt): reuse them so that another machine's Python does not change the code/docs text")
     parser.add_argument("--table-only", action="store_true", help="rebuild the tables and plot, convert nothing")
+    parser.add_argument("--plot-configs", help="';'-separated configurations to plot, each NAME or NAME=LABEL "
+                        "(default: every configuration run at more than one budget, under its own name)")
     args = parser.parse_args()
 
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "crossdomain.jsonl"
+    plot = parse_plot_configs(args.plot_configs)
     if args.table_only:
-        write_tables(out)
+        write_tables(out, plot)
         return
     model_dir, gguf = smollm2_gguf()
     splits = reuse_splits(Path(args.data_dir)) if args.data_dir else domain_splits(out / "data")
@@ -130,7 +133,7 @@ def main() -> None:
                 gc.collect()
                 torch.cuda.empty_cache()
                 shutil.rmtree(path, ignore_errors=True)
-    write_tables(out)
+    write_tables(out, plot)
 
 
 def reuse_splits(directory: Path) -> dict:
@@ -151,7 +154,19 @@ def originals(results: Path) -> dict:
     return {(_device(r), r["domain"]): r["perplexity"] for r in _read(results) if r["config"] == "original"}
 
 
-def write_tables(out: Path) -> None:
+def parse_plot_configs(spec: str | None) -> dict | None:
+    """'a;b=Label' -> {"a": "a", "b": "Label"}; None plots every configuration."""
+    if not spec:
+        return None
+    labels = {}
+    for item in filter(None, (i.strip() for i in spec.split(";"))):
+        name, _, label = item.partition("=")
+        labels[name.strip()] = label.strip() or name.strip()
+    return labels
+
+
+def write_tables(out: Path, plot: dict | None = None) -> dict:
+    """Write crossdomain.md and crossdomain.png from crossdomain.jsonl; returns the plotted curves."""
     rows = [r for r in _read(out / "crossdomain.jsonl") if r["config"] != "original"]
     by_device = originals(out / "crossdomain.jsonl")
     # a cell is the converted model's perplexity over the original's on the same device
@@ -161,6 +176,11 @@ def write_tables(out: Path) -> None:
     configs = list(dict.fromkeys(r["config"] for r in rows))
     budgets = sorted({r["budget"] for r in rows})
     sources = list(dict.fromkeys(r["calib"] for r in rows))
+    if plot is not None:
+        unknown = [c for c in plot if c not in configs]
+        if unknown:
+            raise SystemExit(f"--plot-configs names {unknown[0]!r}, which has no rows; configurations: "
+                             + "; ".join(configs))
     lines = ["Perplexity ratio converted / original on each domain's held-out text, both scored on the same "
              "device (original: " + "; ".join(
                  f"{dev} " + ", ".join(f"{d} {by_device[(dev, d)]:.2f}" for d in DOMAINS if (dev, d) in by_device)
@@ -169,13 +189,11 @@ def write_tables(out: Path) -> None:
     # headline: worst off-diagonal cell (calibrated on one domain, scored on another) per budget
     lines += ["Worst off-diagonal cell (calibrated on one domain, scored on another):", "",
               "| config | " + " | ".join(f"{b}/384" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
-    worst = {}
     for config in configs:
         row = []
         for b in budgets:
             off = [(v, s, d) for (s, c, bb, d), v in cell.items() if c == config and bb == b and s in DOMAINS and s != d]
             complete = len(off) == len(DOMAINS) * (len(DOMAINS) - 1)
-            worst[(config, b)] = max(off) if complete else None
             if off:  # a partial row says over how many cells its worst was taken
                 v, src, dst = max(off)
                 row.append(f"{v:.3f} ({src}→{dst})" + ("" if complete else f", {len(off)} of "
@@ -212,10 +230,11 @@ def write_tables(out: Path) -> None:
         lines.append("")
     (out / "crossdomain.md").write_text("\n".join(lines))
     print("\n".join(lines))
-    _plot(out, configs, budgets, worst, cell)
+    return _plot(out, plot or {c: c for c in configs}, budgets, cell)
 
 
-def _plot(out: Path, configs, budgets, worst, cell) -> None:
+def _plot(out: Path, labels: dict, budgets, cell) -> dict:
+    """Worst off-domain (and in-domain) ratio per budget of each configuration in labels; returns {label: points}."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,7 +242,8 @@ def _plot(out: Path, configs, budgets, worst, cell) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     full = len(DOMAINS) * (len(DOMAINS) - 1)
-    for config in configs:
+    curves = {}
+    for config, name in labels.items():
         pts, partial = [], False
         for b in budgets:
             off = [v for (s, c, bb, d), v in cell.items() if c == config and bb == b and s in DOMAINS and s != d]
@@ -231,13 +251,16 @@ def _plot(out: Path, configs, budgets, worst, cell) -> None:
                 pts.append((b / 384, max(off)))
                 partial |= len(off) < full
         if len(pts) > 1:  # one-budget ablation rows are in the tables, not the plot
-            ax.plot(*zip(*pts), marker="o", linestyle="--" if partial else "-",
-                    label=f"{config}: worst off-domain" + (" (rows not all run)" if partial else ""))
+            label = f"{name}: worst off-domain" + (" (rows not all run)" if partial else "")
+            ax.plot(*zip(*pts), marker="o", linestyle="--" if partial else "-", label=label)
+            curves[label] = pts
         diag = [(b / 384, max(cell[(d, config, b, d)] for d in DOMAINS)) for b in budgets
                 if all((d, config, b, d) in cell for d in DOMAINS)]
         if diag:
-            ax.plot(*zip(*diag), marker=".", linestyle=":", label=f"{config}: worst in-domain")
+            ax.plot(*zip(*diag), marker=".", linestyle=":", label=f"{name}: worst in-domain")
+            curves[f"{name}: worst in-domain"] = diag
     save_ratio_plot(fig, ax, out / "crossdomain.png")
+    return curves
 
 
 if __name__ == "__main__":

@@ -55,6 +55,27 @@ def test_crossdomain_tables_divide_by_the_original_on_the_same_device(tmp_path):
     assert (tmp_path / "crossdomain.png").exists()
 
 
+def test_crossdomain_plots_the_chosen_configurations_under_their_labels(tmp_path):
+    import json
+
+    crossdomain = _crossdomain()
+    domains = crossdomain.DOMAINS
+    rows = [{"calib": "-", "config": "original", "budget": 384, "domain": d, "perplexity": 10.0} for d in domains]
+    for config, scale in (("kept", 1.0), ("left out", 2.0)):
+        for budget, worst in ((192, 15.0), (320, 11.0)):
+            for s in domains[: 4 if budget == 192 else 1]:  # 320: one row run, so its worst is partial
+                rows += [{"calib": s, "config": config, "budget": budget, "domain": d,
+                          "perplexity": scale * (worst if (s, d) == ("news", "docs") else 10.5)} for d in domains]
+    (tmp_path / "crossdomain.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    curves = crossdomain.write_tables(tmp_path, crossdomain.parse_plot_configs("kept=the default"))
+    assert curves == {"the default: worst off-domain (rows not all run)": [(0.5, 1.5), (320 / 384, 1.1)],
+                      "the default: worst in-domain": [(0.5, 1.05)]}
+    assert "left out" in (tmp_path / "crossdomain.md").read_text()  # the tables keep every configuration
+    assert len(crossdomain.write_tables(tmp_path)) == 4  # by default every configuration is plotted
+    with pytest.raises(SystemExit, match="'kep', which has no rows"):
+        crossdomain.write_tables(tmp_path, crossdomain.parse_plot_configs("kep"))
+
 def test_crossdomain_refuses_to_resume_rows_made_otherwise(tmp_path):
     """Rows are skipped by config name on a rerun: rows under that name made with another method or
     calibration size (or by a version that did not record them) stop the run instead of being reused."""
