@@ -154,6 +154,14 @@ def originals(results: Path) -> dict:
     return {(_device(r), r["domain"]): r["perplexity"] for r in _read(results) if r["config"] == "original"}
 
 
+OFF_DIAGONAL = len(DOMAINS) * (len(DOMAINS) - 1)  # cells calibrated on one domain and scored on another
+
+
+def _off_diagonal(cell: dict, config: str, budget: int) -> list:
+    """(ratio, calibrated on, scored on) of each off-diagonal cell of one configuration at one budget."""
+    return [(v, s, d) for (s, c, b, d), v in cell.items() if c == config and b == budget and s in DOMAINS and s != d]
+
+
 def parse_plot_configs(spec: str | None) -> dict | None:
     """'a;b=Label' -> {"a": "a", "b": "Label"}; None plots every configuration."""
     if not spec:
@@ -192,12 +200,12 @@ def write_tables(out: Path, plot: dict | None = None) -> dict:
     for config in configs:
         row = []
         for b in budgets:
-            off = [(v, s, d) for (s, c, bb, d), v in cell.items() if c == config and bb == b and s in DOMAINS and s != d]
-            complete = len(off) == len(DOMAINS) * (len(DOMAINS) - 1)
+            off = _off_diagonal(cell, config, b)
+            complete = len(off) == OFF_DIAGONAL
             if off:  # a partial row says over how many cells its worst was taken
                 v, src, dst = max(off)
-                row.append(f"{v:.3f} ({src}→{dst})" + ("" if complete else f", {len(off)} of "
-                                                        f"{len(DOMAINS) * (len(DOMAINS) - 1)} cells run"))
+                partial = "" if complete else f", {len(off)} of {OFF_DIAGONAL} cells run"
+                row.append(f"{v:.3f} ({src}→{dst}){partial}")
             else:
                 row.append("")
         lines.append(f"| {config} | " + " | ".join(row) + " |")
@@ -241,15 +249,14 @@ def _plot(out: Path, labels: dict, budgets, cell) -> dict:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    full = len(DOMAINS) * (len(DOMAINS) - 1)
     curves = {}
     for config, name in labels.items():
         pts, partial = [], False
         for b in budgets:
-            off = [v for (s, c, bb, d), v in cell.items() if c == config and bb == b and s in DOMAINS and s != d]
+            off = _off_diagonal(cell, config, b)
             if off:
-                pts.append((b / 384, max(off)))
-                partial |= len(off) < full
+                pts.append((b / 384, max(off)[0]))
+                partial |= len(off) < OFF_DIAGONAL
         if len(pts) > 1:  # one-budget ablation rows are in the tables, not the plot
             label = f"{name}: worst off-domain" + (" (rows not all run)" if partial else "")
             ax.plot(*zip(*pts), marker="o", linestyle="--" if partial else "-", label=label)

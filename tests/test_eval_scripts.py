@@ -76,6 +76,7 @@ def test_crossdomain_plots_the_chosen_configurations_under_their_labels(tmp_path
     with pytest.raises(SystemExit, match="'kep', which has no rows"):
         crossdomain.write_tables(tmp_path, crossdomain.parse_plot_configs("kep"))
 
+
 def test_crossdomain_refuses_to_resume_rows_made_otherwise(tmp_path):
     """Rows are skipped by config name on a rerun: rows under that name made with another method or
     calibration size (or by a version that did not record them) stop the run instead of being reused."""
