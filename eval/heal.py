@@ -5,6 +5,12 @@
     python eval/heal.py --output-dir runs/heal-linux-doc --data .data/linux-doc.jsonl --max-tokens 81920 --eval-every 10
     python eval/heal.py --output-dir runs/heal-mix-code --data mix-code --max-tokens 40960 --eval-every 10
 
+The conversion uses `transmla-tool convert`'s defaults (method `default`, 128 calibration windows);
+`--calib-samples N` and `--set NAME=VALUE` (repeatable, as in `transmla-tool convert`) change them, e.g.
+`--calib-samples 64 --set moment_shrinkage=0 --set refine_steps=100 --set refine_windows=64` for the
+default the README's news rows were measured with. The settings are recorded in
+<output-dir>/conversion.json; rerunning in the same directory with other settings is refused.
+
 `--data mix-DOMAIN` (DOMAIN one of news, forum, code, docs; see eval/crossdomain.py): the conversion
 calibrates and the healing trains on an equal mix of the other three domains' calibration documents,
 and the held-out perplexity is measured on DOMAIN's held-out documents, a kind of text neither step saw.
@@ -28,9 +34,11 @@ import torch
 from transmla_tool.assets import DOMAINS, domain_splits, lee_corpus, smollm2_gguf, split_documents
 from transmla_tool.convert import ConvertSettings, convert
 from transmla_tool.data import token_windows
+from transmla_tool.errors import UserError
 from transmla_tool.evaluate.perplexity import perplexity
 from transmla_tool.evaluate.run import load_model, load_tokenizer
 from transmla_tool.heal.train import HealSettings, heal
+from transmla_tool.methods import resolve_method
 
 
 def main() -> None:
@@ -38,6 +46,9 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/heal")
     parser.add_argument("--data", default="news", help="training text: `news` or a local file / datasets spec")
     parser.add_argument("--latent-dim", type=int, default=128)
+    parser.add_argument("--calib-samples", type=int, default=ConvertSettings.calib_samples)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
+                        help="override one setting of the `default` conversion method (repeatable)")
     parser.add_argument("--max-tokens", type=int, default=2_000_000)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -49,6 +60,10 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=25)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
+    try:
+        method = resolve_method("default", args.overrides)  # a bad --set fails here, before any work
+    except UserError as exc:
+        raise SystemExit(str(exc)) from None
 
     # Fail before the minutes of conversion, not after: a local training file that is not there yet.
     if Path(args.data).suffix in {".txt", ".jsonl", ".json", ".parquet"} and not Path(args.data).exists():
@@ -67,10 +82,16 @@ def main() -> None:
         calib = data = ",".join(str(splits[d][0]) for d in DOMAINS if d != left_out)
         heldout = splits[left_out][1]
     converted = out / f"converted-{args.latent_dim + 64}"
+    record = out / "conversion.json"
+    wanted = {"latent_dim": args.latent_dim, "calib_samples": args.calib_samples, "overrides": args.overrides}
+    if record.exists() and json.loads(record.read_text()) != wanted:
+        raise SystemExit(f"{out} holds a conversion made with {record.read_text().strip()}, not {json.dumps(wanted)}; "
+                         "use another --output-dir")
     if not (converted / "config.json").exists():
         convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
-                                rope_dim=64, calib_data=str(calib), calib_samples=64, target="transformers", dtype="float32",
-                                device="cpu", overwrite=True))
+                                rope_dim=64, calib_data=str(calib), calib_samples=args.calib_samples, method=method,
+                                target="transformers", dtype="float32", device="cpu", overwrite=True))
+        record.write_text(json.dumps(wanted) + "\n")
 
     reference = out / "original.json"
     if not reference.exists():

@@ -96,3 +96,28 @@ def test_crossdomain_refuses_to_resume_rows_made_otherwise(tmp_path):
     legacy = [{"calib": "news", "config": "default", "budget": 192, "domain": "news", "perplexity": 40.0}]
     with pytest.raises(SystemExit, match="before rows recorded it"):
         check(legacy, results, news, made)
+
+
+def _heal_script(*args):
+    return subprocess.run([sys.executable, str(ROOT / "eval" / "heal.py"), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_heal_benchmark_refuses_a_bad_method_setting_before_any_work(tmp_path):
+    run = _heal_script("--output-dir", str(tmp_path / "heal"), "--set", "refine_stepz=5")
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1].startswith("--set refine_stepz=5: expected name=value")
+    assert not (tmp_path / "heal").exists()
+
+
+def test_heal_benchmark_refuses_a_directory_converted_with_other_settings(tmp_path):
+    import json
+
+    out = tmp_path / "heal"
+    out.mkdir()
+    (out / "conversion.json").write_text(json.dumps({"latent_dim": 128, "calib_samples": 64, "overrides": []}))
+    run = _heal_script("--output-dir", str(out), "--data", "mix-code", "--set", "refine_steps=100")
+    assert run.returncode != 0
+    assert "use another --output-dir" in run.stderr
+    assert '"overrides": ["refine_steps=100"]' in run.stderr
+    assert not (out / "converted-192").exists()
