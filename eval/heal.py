@@ -128,8 +128,9 @@ def write_report(out: Path, rows: list[dict], original: float, summary: dict, se
     ]
     lines += [f"| {t} | {p:.3f} | {p / original:.3f} |" for t, p in evals]
     within = next((t for t, p in evals if p <= 1.05 * original), None)
-    lines += ["", (f"First evaluation within 5% of the original: {within if within is not None else 'not reached'}"
-                   f" tokens. Mean training speed {sum(speeds) / max(len(speeds), 1):.0f} tokens/s.")]
+    reached = f"{within} tokens" if within is not None else "not reached"
+    lines += ["", (f"First evaluation within 5% of the original: {reached}."
+                   f" Mean training speed {sum(speeds) / max(len(speeds), 1):.0f} tokens/s.")]
     (out / "heal.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

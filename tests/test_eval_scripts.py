@@ -25,13 +25,17 @@ def test_mla_decode_runs_and_checks_paths(make_model, convert_tiny, dtype):
     assert int(cells[4]) == 2 * 2 * 16 * 256 * 2
 
 
-def _crossdomain():
+def _eval_module(name):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("crossdomain", ROOT / "eval" / "crossdomain.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "eval" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _crossdomain():
+    return _eval_module("crossdomain")
 
 
 def test_crossdomain_tables_divide_by_the_original_on_the_same_device(tmp_path):
@@ -121,3 +125,16 @@ def test_heal_benchmark_refuses_a_directory_converted_with_other_settings(tmp_pa
     assert "use another --output-dir" in run.stderr
     assert '"overrides": ["refine_steps=100"]' in run.stderr
     assert not (out / "converted-192").exists()
+
+
+@pytest.mark.parametrize(("last", "sentence"), [(10.4, "within 5% of the original: 20 tokens."),
+                                                 (11.0, "within 5% of the original: not reached.")])
+def test_heal_report_says_when_the_original_was_reached(tmp_path, last, sentence):
+    rows = [{"tokens": 0, "eval_perplexity": 12.0}, {"tokens": 10, "eval_perplexity": 11.0, "tokens_per_s": 80.0},
+            {"tokens": 20, "eval_perplexity": last, "tokens_per_s": 90.0}]
+    summary = {"tokens": 20, "tokens_per_s": 85.0, "processes": 1, "mixed_precision": "no"}
+    _eval_module("heal").write_report(tmp_path, rows, 10.0, summary, "news")
+    report = (tmp_path / "heal.md").read_text()
+    assert sentence in report
+    assert "| 20 | %.3f | %.3f |" % (last, last / 10.0) in report
+    assert "Mean training speed 85 tokens/s." in report
