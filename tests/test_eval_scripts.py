@@ -137,4 +137,11 @@ def test_heal_report_says_when_the_original_was_reached(tmp_path, last, sentence
     report = (tmp_path / "heal.md").read_text()
     assert sentence in report
     assert "| 20 | %.3f | %.3f |" % (last, last / 10.0) in report
-    assert "Mean training speed 85 tokens/s." in report
+    assert "20 training tokens, 85 tokens/s steady state (1 process(es)" in report
+
+
+def test_heal_report_of_a_run_with_no_timed_step_says_so(tmp_path):
+    rows = [{"tokens": 0, "eval_perplexity": 12.0}, {"tokens": 10, "eval_perplexity": 11.0, "tokens_per_s": None}]
+    summary = {"tokens": 10, "tokens_per_s": None, "processes": 1, "mixed_precision": "no"}
+    _eval_module("heal").write_report(tmp_path, rows, 10.0, summary, "news")
+    assert "speed not measured (no timed step" in (tmp_path / "heal.md").read_text()
