@@ -79,8 +79,10 @@ def main() -> None:
     if args.table_only:
         write_tables(out, plot)
         return
+    configs = [parse_config(c) for c in args.configs.split(";") if c]  # bad input fails here, before any work
     model_dir, gguf = smollm2_gguf()
     splits = reuse_splits(Path(args.data_dir)) if args.data_dir else domain_splits(out / "data")
+    specs = {source: calib_spec(source, splits) for source in args.calib.split(",")}
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(model_dir, gguf)
     windows = {d: token_windows(str(splits[d][1]), tokenizer, 512, args.eval_windows, min_windows=args.eval_windows)
@@ -103,8 +105,8 @@ def main() -> None:
 
     budgets = [int(b) for b in args.budgets.split(",")]
     for source in args.calib.split(","):
-        spec = calib_spec(source, splits)
-        for name, preset, overrides in (parse_config(c) for c in args.configs.split(";") if c):
+        spec = specs[source]
+        for name, preset, overrides in configs:
             method = resolve_method(preset, overrides)
             made = made_with(method, args)
             check_resumable(rows, results, {"calib": source, "config": name}, made)

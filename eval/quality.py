@@ -28,6 +28,7 @@ import torch
 from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
 from transmla_tool.convert import ConvertSettings, convert_many
 from transmla_tool.data import token_windows
+from transmla_tool.errors import UserError
 from transmla_tool.evaluate.perplexity import perplexity
 from transmla_tool.evaluate.run import load_model, load_tokenizer
 from transmla_tool.methods import resolve_method
@@ -49,10 +50,15 @@ DEFAULT_CONFIGS = [
 
 
 def parse_config(text: str):
+    """NAME[=PRESET[:NAME=VALUE,...]] -> (name, preset, overrides); a bad one stops the run before any work."""
     name, _, spec = text.partition("=")
     spec = spec or name
     preset, _, sets = spec.partition(":")
     overrides = [s for s in sets.split(",") if s]
+    try:
+        resolve_method(preset, overrides)
+    except UserError as exc:
+        raise SystemExit(f"--configs {text!r}: {exc}") from None
     return name, preset, overrides
 
 
@@ -68,6 +74,7 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=32, help="held-out windows of 512 tokens")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
+    configs = [parse_config(c) for c in args.configs.split(";") if c]  # bad input fails here, before any work
 
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,7 +86,6 @@ def main() -> None:
     rows = _read(results_path)
     done = {(r["config"], r["budget"]) for r in rows}
     budgets = [int(b) for b in args.budgets.split(",")]
-    configs = [parse_config(c) for c in args.configs.split(";") if c]
 
     if ("original", 384) not in done:
         model = load_model(model_dir, gguf, torch.float32, torch.device("cpu"))

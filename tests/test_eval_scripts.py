@@ -145,3 +145,24 @@ def test_heal_report_of_a_run_with_no_timed_step_says_so(tmp_path):
     summary = {"tokens": 10, "tokens_per_s": None, "processes": 1, "mixed_precision": "no"}
     _eval_module("heal").write_report(tmp_path, rows, 10.0, summary, "news")
     assert "speed not measured (no timed step" in (tmp_path / "heal.md").read_text()
+
+
+@pytest.mark.parametrize("script", ["quality", "crossdomain"])
+@pytest.mark.parametrize(("config", "problem"), [("fast=default:refine_stepz=5", "--set refine_stepz=5: expected"),
+                                                 ("fast=defualt", "unknown method 'defualt'")])
+def test_benchmarks_refuse_a_bad_configuration_before_any_work(tmp_path, script, config, problem):
+    # the bad configuration comes second: it must stop the run before the first one converts for an hour
+    run = subprocess.run([sys.executable, str(ROOT / "eval" / f"{script}.py"), "--output-dir", str(tmp_path),
+                          "--configs", f"default;{config}"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"--configs {config!r}: ") and problem in last, run.stderr[-2000:]
+    assert not list(tmp_path.glob("*.jsonl"))
+
+
+def test_crossdomain_refuses_an_unknown_calibration_source_before_any_work(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "eval" / "crossdomain.py"), "--output-dir", str(tmp_path),
+                          "--calib", "news,newz", "--configs", "default"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1].startswith("unknown calibration source 'newz'")
+    assert not (tmp_path / "crossdomain.jsonl").exists()
