@@ -8,7 +8,7 @@
 The conversion uses `transmla-tool convert`'s defaults (method `default`, 128 calibration windows);
 `--calib-samples N` and `--set NAME=VALUE` (repeatable, as in `transmla-tool convert`) change them, e.g.
 `--calib-samples 64 --set moment_shrinkage=0 --set refine_steps=100 --set refine_windows=64` for the
-default the README's news rows were measured with. The settings are recorded in
+earlier default the README's "that default" rows were measured with. The settings are recorded in
 <output-dir>/conversion.json; rerunning in the same directory with other settings is refused.
 
 `--data mix-DOMAIN` (DOMAIN one of news, forum, code, docs; see eval/crossdomain.py): the conversion
