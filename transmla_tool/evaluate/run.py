@@ -121,6 +121,22 @@ def _absorbed(model) -> bool:
     return is_absorbed(model)
 
 
+def check_latent_path(model, decode_steps: int) -> None:
+    """The absorbed timing must come from the absorbed computation: refuse to report it when the decode
+    steps went through transformers' stock attention instead (a silent fallback times the stock path)."""
+    from ..runtime.absorbed import latent_steps
+
+    expected = decode_steps * model.config.num_hidden_layers
+    ran = latent_steps(model)
+    if ran < expected:
+        import transformers
+
+        raise RuntimeError(
+            f"the absorbed runtime took the latent path in {ran} of {expected} layer steps on transformers "
+            f"{transformers.__version__}: its decode timing would be the stock path's; run with --attention stock "
+            "and report this as a bug")
+
+
 def restore_stock(model) -> None:
     if model.config.model_type == "deepseek_v3" and _absorbed(model):
         from ..runtime.absorbed import restore
@@ -146,6 +162,8 @@ def evaluate_model(name: str, path: str, gguf_file, settings: EvalSettings, wind
     for length in tqdm(settings.contexts, desc=f"cache + decode ({name})", disable=not settings.progress):
         result["contexts"][str(length)] = measure_context(model, context_ids(windows, length), settings.new_tokens,
                                                           settings.prefill_chunk, settings.warmup_tokens, modes)
+        if "_absorbed" in modes:
+            check_latent_path(model, settings.new_tokens + settings.warmup_tokens)
     restore_stock(model)
     if settings.tasks:
         result["lm_eval"] = run_lm_eval(model, tokenizer, settings.tasks, limit=settings.limit,

@@ -15,6 +15,14 @@ difference ~1e-6). Prefill (more than `absorb_max_query` new tokens) keeps the e
 needs fewer FLOPs there; decode steps use the absorbed path. `restore(model)` undoes it.
 
 Nothing is patched globally: only the `forward` of the given model's attention instances changes.
+
+Guards against a silent fallback (transformers renamed the cache argument once, from `past_key_values`
+to `cache`, and an absorbed forward that missed it decoded through the stock path with equal logits):
+- the cache is found by its type (a `transformers.Cache` among the arguments), not by a keyword name;
+- `absorb()` refuses a transformers whose `DeepseekV3Attention` does not cache the latent (before 5.15
+  it cached expanded per-head K/V, which absorbed decoding cannot read);
+- every decode step taken on the latent path is counted per layer (`latent_steps(model)`), so callers
+  and tests check that the absorbed computation ran rather than only that the logits agree.
 """
 
 from __future__ import annotations
@@ -28,6 +36,10 @@ import torch
 ABSORB_MAX_QUERY = 16
 
 
+class AbsorbError(RuntimeError):
+    """The absorbed runtime cannot take over this model on the installed transformers."""
+
+
 def _attention_modules(model):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
@@ -37,12 +49,29 @@ def _attention_modules(model):
     return found
 
 
+def check_runtime_support() -> None:
+    """Raise AbsorbError when the installed transformers' DeepSeek-V3 attention does not cache the latent."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    # expand_kv (5.15+) is the step that turns the cached latent into per-head keys and values: its presence
+    # means the cache holds the latent; without it, the cache holds expanded K/V and nothing can be absorbed
+    if not hasattr(DeepseekV3Attention, "expand_kv"):
+        raise AbsorbError(
+            f"transformers {transformers.__version__} caches expanded per-head keys and values for DeepSeek-V3, "
+            "not the latent, so absorbed decoding cannot run on it; install transformers>=5.15,<6 (what "
+            "transmla-tool's pyproject requires)")
+
+
 def absorb(model, max_query: int = ABSORB_MAX_QUERY):
     """Make every DeepSeek-V3 attention layer of `model` decode over the latent cache. Returns model."""
-    for module in _attention_modules(model):
+    modules = _attention_modules(model)
+    check_runtime_support()
+    for module in modules:
         if not hasattr(module, "_stock_forward"):
             module._stock_forward = module.forward
         module._absorb_max_query = max_query
+        module._latent_steps = 0
         module.forward = types.MethodType(_absorbed_forward, module)
     return model
 
@@ -60,6 +89,11 @@ def is_absorbed(model) -> bool:
     return all(hasattr(m, "_stock_forward") for m in _attention_modules(model))
 
 
+def latent_steps(model) -> int:
+    """Forward calls that took the absorbed latent path since absorb(), summed over layers."""
+    return sum(getattr(m, "_latent_steps", 0) for m in _attention_modules(model))
+
+
 def _split_kv_b(module) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_b_proj per head: W_uk (H, dn, r) and W_uv (H, dv, r), views of the weight."""
     heads, dn, dv = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
@@ -73,16 +107,27 @@ def _queries(module, hidden_states):
     return module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
 
 
-def _absorbed_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+def _find_cache(args, kwargs):
+    """The transformers Cache among a call's arguments, whatever keyword carries it (or None)."""
+    from transformers.cache_utils import Cache
+
+    return next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None)
+
+
+def _absorbed_forward(self, hidden_states, *args, **kwargs):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
         apply_rotary_pos_emb,
         apply_rotary_pos_emb_interleave,
     )
 
     bsz, length = hidden_states.shape[:-1]
-    if past_key_values is None or length > self._absorb_max_query:
-        return self._stock_forward(hidden_states, position_embeddings, attention_mask,
-                                   past_key_values=past_key_values, **kwargs)
+    cache = _find_cache(args, kwargs)
+    if cache is None or length > self._absorb_max_query:
+        return self._stock_forward(hidden_states, *args, **kwargs)
+    # the stock signature, (hidden_states, position_embeddings, attention_mask, cache, ...), positional or not
+    position_embeddings = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[0]
+    attention_mask = kwargs["attention_mask"] if "attention_mask" in kwargs else (args[1] if len(args) > 1 else None)
+    self._latent_steps += 1
     heads, dn, dr, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
 
     q = _queries(self, hidden_states).view(bsz, length, heads, dn + dr).transpose(1, 2)  # (B, H, S, dn+dr)
@@ -94,7 +139,7 @@ def _absorbed_forward(self, hidden_states, position_embeddings, attention_mask, 
     cos, sin = position_embeddings
     rotate = apply_rotary_pos_emb_interleave if self.config.rope_interleave else apply_rotary_pos_emb
     q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
-    latent, k_rot = past_key_values.update(latent, k_rot, self.layer_idx)  # (B, 1, T, r), (B, 1, T, dr)
+    latent, k_rot = cache.update(latent, k_rot, self.layer_idx)  # (B, 1, T, r), (B, 1, T, dr)
     total = latent.shape[2]
 
     w_uk, w_uv = _split_kv_b(self)
