@@ -87,7 +87,7 @@ def test_absorbed_decode_equals_stock_on_smollm2(smollm2_converted):
     and 8 decode steps (fp32), and the same greedy tokens."""
     from transformers import DynamicCache
 
-    from transmla_tool.runtime.absorbed import absorb, restore
+    from transmla_tool.runtime.absorbed import absorb, latent_steps, restore
 
     _, _, out, heldout, _ = smollm2_converted
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -108,6 +108,8 @@ def test_absorbed_decode_equals_stock_on_smollm2(smollm2_converted):
         stock = decode()
         absorb(model)
         absorbed = decode()
+        steps = latent_steps(model)
         restore(model)
+    assert steps == 8 * model.config.num_hidden_layers  # every decode step of every layer ran on the latent
     assert float((absorbed - stock).norm() / stock.norm()) < 1e-5
     assert torch.equal(absorbed.argmax(-1), stock.argmax(-1))
