@@ -137,3 +137,88 @@ def test_accelerate_launch_two_cpu_processes(teacher_and_student, text_file, tmp
     assert summary["processes"] == 2 and summary["tokens"] == 4 * 2 * 2 * 64
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert torch.isfinite(model(sample_ids(model.config.vocab_size)).logits).all()
+
+
+def test_lr_schedule_counts_optimizer_steps_of_all_processes(teacher_and_student, text_file, tmp_path):
+    """Under `accelerate launch` with 2 processes, the logged learning rate follows the schedule of the
+    run's optimizer steps (warm-up, then cosine), not one stepped twice per step."""
+    from transmla_tool.heal.train import _lr_lambda
+
+    teacher, student = teacher_and_student
+    out = tmp_path / "ddp-lr"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "transmla_tool", "heal",
+           "--model", str(student), "--teacher", str(teacher), "--data", str(text_file), "--output", str(out),
+           "--seq-len", "32", "--batch-size", "1", "--max-steps", "6", "--warmup-steps", "2", "--lr", "1e-3",
+           "--no-progress"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    logged = [row["lr"] for row in _log(out) if "lr" in row]
+    factor = _lr_lambda(6, 2)
+    assert logged == pytest.approx([1e-3 * factor(step) for step in range(1, 7)], rel=1e-9)
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(lr=1e-3), "lr 0.003 -> 0.001"),
+    (dict(batch_size=2), "batch_size 4 -> 2"),
+    (dict(seq_len=32), "seq_len 64 -> 32"),
+])
+def test_resume_refuses_other_settings(teacher_and_student, text_file, tmp_path, change, needle):
+    from transmla_tool.errors import UserError
+
+    teacher, student = teacher_and_student
+    out = tmp_path / "h"
+
+    def crash(step, metrics):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        heal(_settings(teacher, student, text_file, out, max_steps=6, save_every=2, eval_data=None), on_step=crash)
+    with pytest.raises(UserError, match=needle):
+        heal(_settings(teacher, student, text_file, out, max_steps=6, save_every=2, eval_data=None, resume=True,
+                       **change))
+    # settings that do not shape the training may change
+    heal(_settings(teacher, student, text_file, out, max_steps=6, save_every=3, eval_data=None, resume=True))
+    assert json.loads((out / "healing.json").read_text())["steps"] == 6
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--max-steps", "0"], "--max-steps must be >= 1"),
+    (["--max-steps", "-3"], "--max-steps must be >= 1"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+])
+def test_heal_step_counts_are_checked(teacher_and_student, text_file, tmp_path, capsys, flags, needle):
+    from transmla_tool.cli import main
+
+    teacher, student = teacher_and_student
+    out = tmp_path / "h"
+    code = main(["heal", "--model", str(student), "--teacher", str(teacher), "--output", str(out), "--data",
+                 str(text_file), *flags])
+    assert code == 2 and needle in capsys.readouterr().err
+    assert not out.exists() and not Path(f"{out}.ckpt").exists()
+
+
+def test_heal_refuses_a_deepseek_checkpoint_it_did_not_convert(teacher_and_student, text_file, tmp_path, capsys):
+    """A DeepSeek-V3 checkpoint without convert's conversion.json (a genuine DeepSeek model) is refused:
+    healing assumes the linearized latent norm."""
+    from transmla_tool.cli import main
+
+    teacher, student = teacher_and_student
+    other = tmp_path / "other"
+    AutoModelForCausalLM.from_pretrained(student).save_pretrained(other)
+    code = main(["heal", "--model", str(other), "--teacher", str(teacher), "--output", str(tmp_path / "h"),
+                 "--data", str(text_file)])
+    assert code == 2 and "no conversion.json written by transmla-tool convert" in capsys.readouterr().err
+
+
+def test_missing_data_leaves_no_checkpoint_dir(teacher_and_student, tmp_path, capsys):
+    from transmla_tool.cli import main
+
+    teacher, student = teacher_and_student
+    out = tmp_path / "h"
+    code = main(["heal", "--model", str(student), "--teacher", str(teacher), "--output", str(out), "--data",
+                 str(tmp_path / "missing.txt"), "--max-steps", "2"])
+    assert code == 2 and "does not exist" in capsys.readouterr().err
+    assert not out.exists() and not Path(f"{out}.ckpt").exists()

@@ -26,6 +26,10 @@ from .data import train_batches
 from .model import is_attention_param, stock_state_dict, to_natural
 
 STATE_FILE = "trainer_state.json"
+SETTINGS_FILE = "settings.json"  # in the checkpoint directory: what a --resume must match
+# Settings a resumed run may change: they do not touch the trained weights, the data order or the schedule.
+RESUMABLE_CHANGES = ("output", "save_every", "save_total_limit", "eval_data", "eval_every", "eval_windows",
+                     "checkpoint_dir", "resume", "overwrite", "progress")
 
 
 @dataclass
@@ -69,6 +73,12 @@ class HealSettings:
             raise UserError("without --teacher the distillation loss is unavailable: pass --teacher or --lm-weight > 0")
         if self.kd_weight < 0 or self.lm_weight < 0 or self.kd_weight + self.lm_weight <= 0:
             raise UserError("--kd-weight and --lm-weight must be >= 0 and not both 0")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UserError(f"--max-steps must be >= 1, got {self.max_steps} (leave it out to train --max-tokens)")
+        if self.max_tokens < 1:
+            raise UserError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if min(self.seq_len, self.batch_size, self.grad_accum) < 1 or self.temperature <= 0:
             raise UserError("--seq-len, --batch-size and --grad-accum must be >= 1, --temperature > 0")
         if self.save_total_limit is not None and self.save_total_limit < 1:
@@ -77,6 +87,42 @@ class HealSettings:
             raise UserError("--mixed-precision must be auto, no, bf16 or fp16")
         if not (Path(self.model) / "config.json").exists():
             raise UserError(f"--model {self.model} is not a directory written by transmla-tool convert")
+        check_converted(self.model)
+
+
+def check_converted(model_dir: str) -> None:
+    """Healing trains in natural form, which assumes the latent RMSNorm convert linearized: refuse any other
+    DeepSeek-V3 checkpoint (a genuine DeepSeek model would be altered silently)."""
+    summary = Path(model_dir) / "conversion.json"
+    tool = None
+    if summary.exists():
+        try:
+            tool = json.loads(summary.read_text()).get("tool")
+        except (json.JSONDecodeError, AttributeError):
+            tool = None
+    if tool != "transmla_tool":
+        raise UserError(f"--model {model_dir} has no conversion.json written by transmla-tool convert: heal assumes the "
+                        "linearized latent norm convert writes and would alter any other DeepSeek-V3 checkpoint")
+
+
+def fingerprint(settings: HealSettings, num_processes: int) -> dict:
+    """What a resumed run must share with the run that wrote the checkpoints: everything that shapes the
+    weights, the schedule or the data order (a changed --batch-size would skip the wrong batches)."""
+    values = {k: v for k, v in asdict(settings).items() if k not in RESUMABLE_CHANGES}
+    values["processes"] = num_processes
+    return values
+
+
+def check_fingerprint(ckpt_dir: Path, expected: dict) -> None:
+    saved = json.loads((ckpt_dir / SETTINGS_FILE).read_text()) if (ckpt_dir / SETTINGS_FILE).exists() else None
+    if saved is None:
+        raise UserError(f"{ckpt_dir} records no settings (written by an older transmla-tool?); --resume cannot check "
+                        "it continues the same run: pass --overwrite to start over")
+    changed = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
+    if changed:
+        detail = ", ".join(f"{k} {saved.get(k)!r} -> {expected.get(k)!r}" for k in changed)
+        raise UserError(f"--resume: the checkpoints in {ckpt_dir} were made with other settings ({detail}); rerun with "
+                        "the same settings, or pass --overwrite to start over")
 
 
 def _lr_lambda(total: int, warmup: int):
@@ -113,10 +159,7 @@ def latest_checkpoint(directory: Path) -> Path | None:
 def heal(settings: HealSettings, on_step=None) -> dict:
     """Train, checkpoint, export. on_step(step, metrics) is called after every optimizer step."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, set_seed
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..evaluate.run import load_model
+    from accelerate.utils import set_seed
 
     settings.validate()
     cuda = torch.cuda.is_available()
@@ -137,7 +180,27 @@ def heal(settings: HealSettings, on_step=None) -> dict:
         if main:
             shutil.rmtree(ckpt_dir)
     accelerator.wait_for_everyone()
+    if resume_from is not None:
+        check_fingerprint(ckpt_dir, fingerprint(settings, accelerator.num_processes))
     set_seed(settings.seed)
+    fresh_ckpt_dir = not ckpt_dir.exists()
+    try:
+        return _train(settings, accelerator, ckpt_dir, resume_from, precision, on_step)
+    except BaseException:
+        # a run that failed before its first checkpoint leaves no checkpoint directory behind
+        if main and fresh_ckpt_dir and ckpt_dir.exists() and latest_checkpoint(ckpt_dir) is None:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+        raise
+
+
+def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, precision: str, on_step) -> dict:
+    from accelerate.utils import DistributedType
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..evaluate.run import load_model
+
+    cuda = torch.cuda.is_available()
+    main = accelerator.is_main_process
 
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
     output_dtype = checkpoint_dtype(settings.model)  # read before loading: loading in fp32 rewrites config.dtype
@@ -166,7 +229,12 @@ def heal(settings: HealSettings, on_step=None) -> dict:
     warmup = settings.warmup_steps if settings.warmup_steps is not None else min(100, max(1, total_steps // 20))
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(total_steps, warmup))
-    student, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
+    # The scheduler is not passed through accelerator.prepare: accelerate would step it once per process per
+    # optimizer step (it assumes a schedule counted in one process's batches), while total_steps already
+    # counts optimizer steps of all processes together. It is stepped once per optimizer step below, and
+    # registered so accelerate's own save_state (FSDP, DeepSpeed) still saves it.
+    student, optimizer = accelerator.prepare(student, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
     if teacher is not None:
         if accelerator.distributed_type == DistributedType.FSDP:
             # shard the teacher like the student, but keep it out of the resumable checkpoints
@@ -194,6 +262,7 @@ def heal(settings: HealSettings, on_step=None) -> dict:
     log_path = ckpt_dir / "log.jsonl"
     if main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
+        (ckpt_dir / SETTINGS_FILE).write_text(json.dumps(fingerprint(settings, accelerator.num_processes), indent=2))
         if eval_windows is not None and state["step"] == 0:
             _log(log_path, {"step": 0, "tokens": 0,
                             "eval_perplexity": evaluate_perplexity(student, eval_windows, accelerator)})
@@ -222,7 +291,8 @@ def heal(settings: HealSettings, on_step=None) -> dict:
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(trainable, 1.0)
                 optimizer.step()
-                scheduler.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss.detach())  # waits for the step to finish on a GPU
         state["step"] += 1
