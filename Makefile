@@ -55,6 +55,7 @@ $(LLAMA_CPP_STAMP):
 	$(PYTHON) -m pip download --quiet --no-deps --no-binary :all: -d $(ENGINES)/sdist "$(LLAMA_CPP_SDIST)"
 	tar -xzf $(ENGINES)/sdist/*.tar.gz -C $(ENGINES)/sdist
 	mv $(ENGINES)/sdist/*/vendor/llama.cpp $(ENGINES)/llama.cpp && rm -rf $(ENGINES)/sdist
+	echo "$(LLAMA_CPP_SDIST) sdist" > $(ENGINES)/llama.cpp/SOURCE
 	cmake -S $(ENGINES)/llama.cpp -B $(ENGINES)/llama.cpp/build -DCMAKE_BUILD_TYPE=Release \
 	    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
 	cmake --build $(ENGINES)/llama.cpp/build -j --target llama-perplexity llama-quantize llama-simple \

@@ -113,3 +113,80 @@ def test_eval_refuses_an_absorbed_timing_the_latent_path_did_not_make(converted_
                             seq_len=64, max_tokens=128, contexts=[64], new_tokens=2, device="cpu", progress=False)
     with pytest.raises(RuntimeError, match="latent path in 0 of 8 layer steps"):
         run_eval(settings)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--eval-batch-size", "-1"], "--eval-batch-size must be >= 1"),
+    (["--eval-batch-size", "0"], "--eval-batch-size must be >= 1"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    (["--seq-len", "1"], "--seq-len must be >= 2"),
+    (["--max-tokens", "10"], "less than one window"),
+])
+def test_eval_numbers_checked_before_loading(capsys, converted_pair, tmp_path, text_file, monkeypatch, flags, needle):
+    from transmla_tool.evaluate import run
+
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("loaded a model before checking its flags"))
+    src, out = converted_pair
+    code = main(["eval", "--original", str(src), "--converted", str(out), "--output-dir", str(tmp_path / "r"),
+                 "--data", str(text_file), "--device", "cpu", *flags])
+    assert code == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_eval_in_vllm_refuses_what_vllm_would_serve_as_another_model(make_model, convert_tiny, text_file, tmp_path,
+                                                                      monkeypatch, capsys):
+    """A checkpoint with attention biases (vLLM drops them) is refused before anything runs, instead of
+    reporting the perplexity of the model vLLM really loads as the conversion's."""
+    import sys
+
+    monkeypatch.setenv("TRANSMLA_VLLM_PYTHON", sys.executable)  # any existing interpreter: the check comes first
+    src = make_model("qwen2", kv_heads=2)
+    out, _, _ = convert_tiny(src, latent_dim=24, rope_dim=8, target="transformers", biases="keep")
+    code = main(["eval", "--original", str(src), "--converted", str(out), "--output-dir", str(tmp_path / "r"),
+                 "--data", str(text_file), "--engine", "vllm", "--seq-len", "64", "--max-tokens", "128"])
+    err = capsys.readouterr().err
+    assert code == 2 and "vLLM does not serve" in err and "attention biases" in err
+
+
+def test_eval_in_vllm_checks_the_engine_before_any_work(converted_pair, text_file, tmp_path, monkeypatch, capsys):
+    from transmla_tool.evaluate import engine
+
+    monkeypatch.setenv("TRANSMLA_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    monkeypatch.setattr(engine, "_as_directory", lambda *a: pytest.fail("prepared a model before finding vLLM"))
+    src, out = converted_pair
+    code = main(["eval", "--original", str(src), "--converted", str(out), "--output-dir", str(tmp_path / "r"),
+                 "--data", str(text_file), "--engine", "vllm", "--seq-len", "64", "--max-tokens", "128"])
+    assert code == 2 and "no vLLM environment" in capsys.readouterr().err
+
+
+def test_eval_in_llamacpp_passes_the_export_run_flags(converted_pair, text_file, tmp_path, monkeypatch):
+    """The YaRN ramp a Llama-3 conversion needs at run time (export-gguf's run_flags) reaches llama-perplexity."""
+    from transformers import AutoTokenizer
+
+    from transmla_tool import gguf_export
+    from transmla_tool.engines import llamacpp
+    from transmla_tool.evaluate.engine import evaluate_in_llamacpp
+
+    src, out = converted_pair
+    flags = ["--yarn-beta-fast", "24.5", "--yarn-beta-slow", "1.25"]
+    seen = {}
+    monkeypatch.setattr(gguf_export, "export_gguf", lambda s: {"run_flags": flags})
+    monkeypatch.setattr(llamacpp, "perplexity", lambda *a, **k: seen.update(flags=k.get("flags")) or {
+        "perplexity": 10.0, "chunks": 2, "kv_cache_mib": 1.0, "kv_cells": 64, "kv_layers": 2,
+        "kv_bytes_per_token_per_layer": 48.0})
+    monkeypatch.setattr(llamacpp, "decode_speed", lambda *a, **k: {"tokens_per_s": 5.0, "build": "x"})
+    monkeypatch.setattr(llamacpp, "llama_cpp_version", lambda: "llama.cpp test")
+    monkeypatch.setattr(engine_module(), "_gguf_file_type", lambda path: "ALL_F32")
+    settings = EvalSettings(original=str(src), gguf_file="model.gguf", converted=str(out), output_dir=str(tmp_path),
+                            seq_len=64, contexts=[64], progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    result = evaluate_in_llamacpp("converted", str(out), None, settings, torch.randint(3, 300, (2, 64)), tokenizer,
+                                  str(tmp_path))
+    assert seen["flags"] == flags and result["engine"]["run_flags"] == flags
+    assert result["engine"]["version"] == "llama.cpp test"
+
+
+def engine_module():
+    from transmla_tool.evaluate import engine
+
+    return engine

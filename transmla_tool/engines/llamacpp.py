@@ -28,6 +28,17 @@ def llama_cpp_bin(tool: str) -> Path:
     return path
 
 
+def llama_cpp_version() -> str:
+    """The llama.cpp that runs: the binary's own version line, and the source it was built from when
+    `make engines` recorded it (SOURCE beside the build)."""
+    run = subprocess.run([str(llama_cpp_bin("llama-perplexity")), "--version"], capture_output=True, text=True,
+                         timeout=60, stdin=subprocess.DEVNULL)
+    line = next((ln for ln in (run.stdout + run.stderr).splitlines() if ln.startswith("version:")), "version: unknown")
+    source = llama_cpp_bin("llama-perplexity").parents[2] / "SOURCE"
+    built_from = f" from {source.read_text().strip()}" if source.exists() else ""
+    return f"llama.cpp {line.removeprefix('version:').strip()}{built_from}"
+
+
 def _run(cmd: list, timeout: int = 3600) -> str:
     """Run a llama.cpp tool; its output goes through a file, not a pipe (seen here: with pipes
     llama-perplexity's asynchronous logger lost the lines after the first chunk, final estimate included)."""

@@ -44,6 +44,23 @@ def _as_directory(path: str, gguf_file: str | None, tmp: str) -> str:
     return str(out)
 
 
+def check_vllm_serves(path: str) -> None:
+    """Refuse a converted checkpoint vLLM would load as another model (biases it drops, a rope type it turns
+    into DeepSeek YaRN) or cannot run (a latent + rope size its MLA layer refuses): vLLM's perplexity would
+    be that other model's, reported as the conversion's loss."""
+    from transformers import AutoConfig
+
+    from ..engines import servability
+
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type != "deepseek_v3":
+        return
+    problems = servability(config)["vllm"]["problems"]
+    if problems:
+        raise UserError(f"vLLM does not serve {path} as converted: {'; '.join(problems)}; convert with --target vllm, or "
+                        "evaluate with --engine transformers")
+
+
 def evaluate_in_vllm(name: str, path: str, gguf_file: str | None, settings, windows, dtype) -> dict:
     from transformers import AutoConfig
 
@@ -99,7 +116,7 @@ def evaluate_in_llamacpp(name: str, path: str, gguf_file: str | None, settings, 
     llama-bench tokens/s generating new_tokens after each context (mean of 3)."""
     from transformers import AutoConfig
 
-    from ..engines.llamacpp import decode_speed, perplexity, quantize
+    from ..engines.llamacpp import decode_speed, llama_cpp_version, perplexity, quantize
     from ..gguf_export import GGUFSettings, export_gguf
 
     if not settings.gguf_file:
@@ -107,6 +124,7 @@ def evaluate_in_llamacpp(name: str, path: str, gguf_file: str | None, settings, 
                         "with llama.cpp's convert_hf_to_gguf.py)")
     if settings.gguf_type not in GGUF_TYPES:
         raise UserError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {settings.gguf_type}")
+    run_flags: list[str] = []
     if gguf_file:
         model_file, config = Path(path) / gguf_file, AutoConfig.from_pretrained(path, gguf_file=gguf_file)
         if settings.gguf_type != "native":  # same values, another storage type: a like-for-like speed comparison
@@ -117,17 +135,18 @@ def evaluate_in_llamacpp(name: str, path: str, gguf_file: str | None, settings, 
         outtype = settings.gguf_type if settings.gguf_type != "native" else (
             "f32" if settings.dtype in ("float32", "auto") else "bf16")
         model_file = Path(tmp) / f"{name}-{outtype}.gguf"
-        export_gguf(GGUFSettings(checkpoint=path, output=str(model_file), outtype=outtype,
-                                 tokenizer_gguf=str(Path(settings.original) / settings.gguf_file)))
+        exported = export_gguf(GGUFSettings(checkpoint=path, output=str(model_file), outtype=outtype,
+                                            tokenizer_gguf=str(Path(settings.original) / settings.gguf_file)))
+        run_flags = exported["run_flags"]  # what the GGUF cannot carry (a Llama-3 mapping's YaRN ramp)
         config = AutoConfig.from_pretrained(path)
     text = Path(tmp) / "windows.txt"
     if not text.exists():
         text.write_text(tokenizer.decode(windows.reshape(-1).tolist(), skip_special_tokens=True))
-    ppl = perplexity(model_file, text, settings.seq_len, len(windows))
+    ppl = perplexity(model_file, text, settings.seq_len, len(windows), flags=run_flags)
     out = _model_entry(path, gguf_file, config)
     layers, per_token_layer = out["num_layers"], out["values_per_token_per_layer"]
     out.update({
-        "engine": {"name": "llama.cpp", "version": "llama-cpp-python 0.3.36 sdist", "gguf": str(model_file),
+        "engine": {"name": "llama.cpp", "version": llama_cpp_version(), "gguf": str(model_file), "run_flags": run_flags,
                    "file_type": _gguf_file_type(model_file),
                    "kv_cache": {k: ppl[k] for k in ("kv_cache_mib", "kv_cells", "kv_layers",
                                                      "kv_bytes_per_token_per_layer")}},

@@ -58,6 +58,16 @@ class EvalSettings:
     progress: bool = True
 
 
+def check_scoring(batch_size: int, seq_len: int, max_tokens: int) -> None:
+    """The perplexity protocol's numbers, checked before any model is loaded."""
+    if batch_size < 1:
+        raise UserError(f"--eval-batch-size must be >= 1, got {batch_size}")
+    if seq_len < 2:
+        raise UserError(f"--seq-len must be >= 2 (a window scores its tokens after the first), got {seq_len}")
+    if max_tokens < seq_len:
+        raise UserError(f"--max-tokens {max_tokens} is less than one window of --seq-len {seq_len}")
+
+
 def resolve_eval_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -193,15 +203,23 @@ def run_eval(settings: EvalSettings) -> dict:
         raise UserError(f"--engine must be transformers, vllm or llamacpp, got {settings.engine}")
     if settings.new_tokens < 1 or settings.warmup_tokens < 0:
         raise UserError("--new-tokens must be >= 1 and --warmup-tokens >= 0")
+    check_scoring(settings.batch_size, settings.seq_len, settings.max_tokens)
+    if settings.prefill_chunk < 1:
+        raise UserError(f"--prefill-chunk must be >= 1 token, got {settings.prefill_chunk}")
+    if settings.skip_windows < 0:
+        raise UserError(f"--skip-windows must be >= 0, got {settings.skip_windows}")
     tokenizer = load_tokenizer(settings.original, settings.gguf_file)
     max_windows = settings.skip_windows + max(1, settings.max_tokens // settings.seq_len)
     windows = token_windows(settings.data, tokenizer, settings.seq_len, max_windows, settings.text_field,
                             min_windows=settings.skip_windows + 1)[settings.skip_windows :]
     if settings.engine == "vllm":
-        from .engine import evaluate_in_vllm
+        from ..engines.vllm_engine import vllm_python
+        from .engine import check_vllm_serves, evaluate_in_vllm
 
         if settings.tasks:
             raise UserError("--tasks (lm-eval) runs through transformers; drop --tasks or --engine vllm")
+        vllm_python()  # before any work (a GGUF original is dequantized to safetensors first): is vLLM installed?
+        check_vllm_serves(settings.converted)
         results = {
             "original": evaluate_in_vllm("original", settings.original, settings.gguf_file, settings, windows, dtype),
             "converted": evaluate_in_vllm("converted", settings.converted, None, settings, windows, dtype),
