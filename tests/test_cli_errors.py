@@ -46,14 +46,15 @@ def base_args(make_model, text_file, tmp_path):
         ({"--target": "vllm"}, "--target vllm: latent 12 + rope 8 = 20: vLLM 0.32.0 (CPU build) serves MLA only at "
                                "320/512/576"),
         ({"--pad-latent-to": "8"}, "--pad-latent-to 8 is smaller than --latent-dim 12"),
+        ({"--max-shard-size": "abc"}, "--max-shard-size 'abc'"),
     ],
 )
 def test_bad_arguments(capsys, base_args, tmp_path, overrides, needle):
-    code, err = _run(capsys, base_args(**overrides))
+    nested = tmp_path / "new" / "deeper" / "out"
+    code, err = _run(capsys, base_args(**{"--output": str(nested), **overrides}))
     assert code == 2
     assert needle in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "out").exists()
-    assert not list(tmp_path.glob(".out.partial*"))
+    assert not (tmp_path / "new").exists()  # a refused convert creates no directory, parents included
 
 
 def test_existing_output_needs_overwrite(capsys, base_args, tmp_path):

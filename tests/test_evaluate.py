@@ -108,7 +108,7 @@ def test_eval_refuses_an_absorbed_timing_the_latent_path_did_not_make(converted_
     from transmla_tool.runtime import absorbed
 
     src, out = converted_pair
-    monkeypatch.setattr(absorbed, "_find_cache", lambda args, kwargs: None)
+    monkeypatch.setattr(absorbed, "find_cache", lambda args, kwargs: None)
     settings = EvalSettings(original=str(src), converted=str(out), output_dir=str(tmp_path / "r"), data=str(text_file),
                             seq_len=64, max_tokens=128, contexts=[64], new_tokens=2, device="cpu", progress=False)
     with pytest.raises(RuntimeError, match="latent path in 0 of 8 layer steps"):
@@ -190,3 +190,56 @@ def engine_module():
     from transmla_tool.evaluate import engine
 
     return engine
+
+
+def test_sweep_converts_as_convert_does(make_model, text_file, tmp_path):
+    """sweep's default is convert's (--target vllm: Qwen2's biases dropped); each point is the checkpoint
+    `convert` writes with the same flags (tensor for tensor), and --target transformers keeps the biases."""
+    from safetensors.torch import load_file
+
+    src = make_model("qwen2", kv_heads=2)
+    common = ["--model", str(src), "--calib-data", str(text_file), "--calib-samples", "8", "--calib-seq-len", "64",
+              "--rope-dim", "8", "--device", "cpu", "--dtype", "float32", "--method", "closed-form", "--no-progress"]
+    sweep_args = ["--latent-dims", "24", "--data", str(text_file), "--seq-len", "64", "--max-tokens", "640",
+                  "--keep-checkpoints"]
+    assert main(["sweep", *common, *sweep_args, "--output-dir", str(tmp_path / "s")]) == 0
+    result = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert result["conversion"] == {"target": "vllm", "biases": "auto"}
+    assert result["points"][0]["attention_bias"] is False
+    # 24 + 8 is no size vLLM serves: convert --target llamacpp writes the same bias-free conversion
+    assert main(["convert", *common, "--latent-dim", "24", "--target", "llamacpp", "--output", str(tmp_path / "c")]) == 0
+    swept = load_file(tmp_path / "s" / "checkpoints" / "latent24" / "model.safetensors")
+    converted = load_file(tmp_path / "c" / "model.safetensors")
+    assert swept.keys() == converted.keys() and all(torch.equal(swept[k], converted[k]) for k in swept)
+    assert "--target vllm --biases auto" in (tmp_path / "s" / "sweep.md").read_text()
+
+    assert main(["sweep", *common, *sweep_args, "--target", "transformers", "--output-dir", str(tmp_path / "t")]) == 0
+    assert json.loads((tmp_path / "t" / "sweep.json").read_text())["points"][0]["attention_bias"] is True
+
+
+def test_failed_sweep_leaves_nothing_behind(converted_pair, text_file, tmp_path, monkeypatch):
+    from transmla_tool import sweep
+
+    src, _ = converted_pair
+    args = ["sweep", "--model", str(src), "--latent-dims", "16", "--rope-dim", "8", "--data", str(text_file),
+            "--calib-samples", "8", "--calib-seq-len", "64", "--seq-len", "64", "--max-tokens", "640",
+            "--output-dir", str(tmp_path / "deep" / "s"), "--device", "cpu", "--method", "closed-form",
+            "--no-progress"]
+
+    def broken_scoring(*a, **k):
+        raise RuntimeError("scoring failed")
+
+    monkeypatch.setattr(sweep, "_evaluate", broken_scoring)
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        main(args)
+    assert not (tmp_path / "deep").exists()
+    monkeypatch.undo()
+    assert main(args) == 0  # no --overwrite needed after a failure
+
+
+def test_sweep_checks_scoring_flags_first(converted_pair, text_file, tmp_path, capsys):
+    src, _ = converted_pair
+    code = main(["sweep", "--model", str(src), "--latent-dims", "16", "--data", str(text_file), "--eval-batch-size",
+                 "0", "--output-dir", str(tmp_path / "s")])
+    assert code == 2 and "--eval-batch-size must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()

@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", required=True)
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep every converted checkpoint")
+    p.add_argument("--target", default="vllm", choices=["vllm", "sglang", "llamacpp", "auto", "transformers"],
+                   help="convert each latent dim as `convert --target` does (default vllm, as convert: biases dropped, "
+                   "Llama-3 rope scaling as DeepSeek YaRN); sizes the engine refuses are converted and marked")
+    p.add_argument("--biases", default="auto", choices=["auto", "keep", "drop"], help="as `convert --biases`")
     _add_convert_args(p, calib_default=None)
     _add_eval_args(p, with_bench=False)
     _add_runtime_args(p)
@@ -245,6 +249,7 @@ def cmd_sweep(args) -> int:
         overrides=args.overrides, seq_len=args.seq_len, max_tokens=args.max_tokens,
         eval_batch_size=args.eval_batch_size, batch_size=args.batch_size, dtype=args.dtype, device=args.device,
         seed=args.seed, ignore_sliding_window=args.ignore_sliding_window, progress=not args.no_progress,
+        target=args.target, biases=args.biases,
     )
     result = run_sweep(settings)
     from .sweep import markdown

@@ -25,7 +25,7 @@ from .errors import UserError
 from .export import attention_prefix, deepseek_config, planned_state_dict, stock_attention
 from .io.source import open_source
 from .io.staging import RESUMABLE_MARK, check_target, staged_directory, staging_path
-from .io.writer import DEFAULT_MAX_SHARD, ShardedWriter
+from .io.writer import DEFAULT_MAX_SHARD, ShardedWriter, check_shard_size
 from .memory import reset_rss_peak, vm_hwm_mb
 from .methods import PRESETS, Method
 from .model_card import write_model_card
@@ -121,6 +121,9 @@ class ConvertSettings:
     # (a bias-free output whose layer-local refinement absorbs them, at a measured cost), "auto": drop for
     # --target vllm, keep otherwise
     biases: str = "auto"
+    # False: an engine problem known before converting is printed, not refused (sweep converts every latent
+    # dim the way --target would, and marks the sizes the engine refuses in its table)
+    refuse_unservable: bool = True
 
 
 def resolve_device(name: str) -> torch.device:
@@ -177,6 +180,7 @@ def validate(settings: ConvertSettings, geometry: AttentionGeometry) -> None:
         raise UserError("--batch-size must be >= 1")
     if settings.pad_latent_to and settings.pad_latent_to < settings.latent_dim:
         raise UserError(f"--pad-latent-to {settings.pad_latent_to} is smaller than --latent-dim {settings.latent_dim}")
+    check_shard_size(settings.max_shard_size)
 
 
 @dataclass
@@ -300,6 +304,10 @@ def _check_engines(settings: ConvertSettings, targets) -> None:
         problems = check_target(t.config, settings.target)
         if not problems:
             continue
+        if not settings.refuse_unservable:
+            if settings.progress:
+                print(f"note (--target {settings.target}, latent {t.latent_dim}): {problems[0]}")
+            continue
         size = t.config.kv_lora_rank + t.config.qk_rope_head_dim
         if settings.target == "llamacpp":
             raise UserError(f"--target llamacpp: {problems[0]}; pass --biases drop (or --target transformers)")
@@ -321,7 +329,7 @@ RESUME_DIR = "resume"
 
 def _resume_key(settings: ConvertSettings, targets) -> str:
     """What must be equal for a partial conversion to be continued."""
-    ignored = ("progress", "overwrite", "resume", "output", "batch_size")
+    ignored = ("progress", "overwrite", "resume", "output", "batch_size", "refuse_unservable")
     key = {k: v for k, v in asdict(settings).items() if k not in ignored}
     key["latent_dims"] = [t.latent_dim for t in targets]
     return json.dumps(key, sort_keys=True, default=str)

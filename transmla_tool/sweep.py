@@ -19,9 +19,9 @@ from .engines import VLLM, sglang_size_ok
 from .data import token_windows
 from .errors import UserError
 from .evaluate.cache import cache_tensors_bytes, cached_values_per_token_per_layer, prefill
-from .evaluate.run import context_ids, load_model, load_tokenizer, resolve_eval_dtype
+from .evaluate.run import check_scoring, context_ids, load_model, load_tokenizer, resolve_eval_dtype
 from .evaluate.perplexity import perplexity
-from .io.staging import check_target
+from .io.staging import check_target, make_parents, remove_empty
 from .methods import resolve_method
 
 
@@ -50,6 +50,11 @@ class SweepSettings:
     device: str = "auto"
     seed: int = 0
     ignore_sliding_window: bool = False
+    # as `transmla-tool convert --target/--biases`: the same defaults, so each point is the conversion convert
+    # writes (vllm: biases dropped, Llama-3 rope scaling as DeepSeek YaRN); a size the target's engine refuses
+    # is converted anyway and marked in the table
+    target: str = "vllm"
+    biases: str = "auto"
     progress: bool = True
 
 
@@ -65,8 +70,11 @@ def run_sweep(settings: SweepSettings) -> dict:
     start = time.time()
     if len(set(settings.latent_dims)) != len(settings.latent_dims):
         raise UserError("--latent-dims has duplicates")
+    check_scoring(settings.eval_batch_size, settings.seq_len, settings.max_tokens)
     out = check_target(settings.output_dir, settings.overwrite)
-    out.mkdir(parents=True, exist_ok=True)
+    parents = make_parents(out)
+    created = not out.exists()
+    out.mkdir(exist_ok=True)
     checkpoints = out / "checkpoints"
     outputs = {r: str(checkpoints / f"latent{r}") for r in sorted(settings.latent_dims)}
     convert_settings = ConvertSettings(
@@ -76,9 +84,26 @@ def run_sweep(settings: SweepSettings) -> dict:
         text_field=settings.text_field, dtype=settings.dtype, device=settings.device, seed=settings.seed,
         overwrite=True, method=resolve_method(settings.method, list(settings.overrides)),
         method_name=settings.method, ignore_sliding_window=settings.ignore_sliding_window,
-        batch_size=settings.batch_size, progress=settings.progress,
+        batch_size=settings.batch_size, progress=settings.progress, target=settings.target, biases=settings.biases,
+        refuse_unservable=False,
     )
-    summaries = convert_many(convert_settings, outputs)
+    try:
+        summaries = convert_many(convert_settings, outputs)
+        result = _evaluate(settings, outputs, summaries, start)
+    except BaseException:
+        # a failed sweep leaves nothing that a rerun would have to --overwrite
+        shutil.rmtree(out if created else checkpoints, ignore_errors=True)
+        remove_empty(parents)
+        raise
+    if not settings.keep_checkpoints:
+        shutil.rmtree(checkpoints, ignore_errors=True)
+    (out / "sweep.json").write_text(json.dumps(result, indent=2))
+    (out / "sweep.md").write_text(markdown(result))
+    plot(result, out / "sweep.png")
+    return result
+
+
+def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: float) -> dict:
 
     device = resolve_device(settings.device)
     dtype = resolve_eval_dtype(settings.dtype, device)
@@ -102,12 +127,8 @@ def run_sweep(settings: SweepSettings) -> dict:
         "eval_windows_skipped": skip,
         "eval_tokens": int(windows[:, 1:].numel()),
         "wall_time_s": round(time.time() - start, 1),
+        "conversion": {"target": settings.target, "biases": settings.biases},
     }
-    (out / "sweep.json").write_text(json.dumps(result, indent=2))
-    (out / "sweep.md").write_text(markdown(result))
-    plot(result, out / "sweep.png")
-    if not settings.keep_checkpoints:
-        shutil.rmtree(checkpoints, ignore_errors=True)
     return result
 
 
@@ -121,6 +142,7 @@ def _score(path, gguf_file, windows, dtype, device, settings, name) -> dict:
         "perplexity": ppl["perplexity"],
         "values_per_token_per_layer": cached_values_per_token_per_layer(model.config),
         "measured_values_per_token_per_layer": measured,
+        "attention_bias": bool(getattr(model.config, "attention_bias", False)),
     }
     del model, cache
     gc.collect()
@@ -129,8 +151,13 @@ def _score(path, gguf_file, windows, dtype, device, settings, name) -> dict:
 
 def markdown(result: dict) -> str:
     orig = result["original"]
+    conv = result.get("conversion", {})
     lines = [
         f"# Perplexity vs KV cache ({result['eval_tokens']} held-out tokens)",
+        "",
+        f"Each latent converted as `transmla-tool convert --target {conv.get('target', '?')} --biases "
+        f"{conv.get('biases', '?')}` writes it; a size that target's engine refuses is converted anyway and "
+        "marked in its column.",
         "",
         "| latent | cache values/token/layer | cache fraction | perplexity | ratio to original | vLLM MLA size | SGLang size (read, not run) |",
         "|---|---|---|---|---|---|---|",

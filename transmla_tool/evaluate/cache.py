@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..memory import reset_rss_peak, vm_hwm_mb
+from ..runtime.cache_args import cache_keyword
 
 
 def cache_tensors_bytes(cache) -> int:
@@ -75,9 +76,14 @@ def prefill(model, ids: torch.Tensor, chunk: int):
     cache = DynamicCache(config=model.config)
     logits = None
     for start in range(0, ids.shape[1], chunk):
-        out = model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1:]
+        logits = step(model, ids[:, start : start + chunk], cache)
     return cache, logits
+
+
+def step(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """One forward over `ids` that appends to `cache` (handed over under the keyword this transformers
+    takes); returns the last position's logits (B, 1, V)."""
+    return model(ids, use_cache=True, **{cache_keyword(model): cache}).logits[:, -1:]
 
 
 def decode_timing(model, cache, logits, steps: int, warmup: int) -> dict:
@@ -90,14 +96,12 @@ def decode_timing(model, cache, logits, steps: int, warmup: int) -> dict:
     device = logits.device
     token = logits.argmax(-1)
     for _ in range(warmup):
-        out = model(token, past_key_values=cache, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        token = step(model, token, cache).argmax(-1)
     times = []
     for _ in range(steps):
         _sync(device)
         start = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        token = step(model, token, cache).argmax(-1)
         _sync(device)
         times.append(time.perf_counter() - start)
     result = {
@@ -119,8 +123,7 @@ def _kernel_ms_per_step(model, cache, token, steps: int) -> float:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            out = model(token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            token = step(model, token, cache).argmax(-1)
         torch.cuda.synchronize()
     total_us = sum(e.self_device_time_total for e in prof.key_averages())
     return total_us / 1e3 / steps

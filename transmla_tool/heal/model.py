@@ -14,6 +14,7 @@ from torch import nn
 
 from ..export import natural_attention, stock_attention
 from ..ops.mla import MLAWeights, mla_attention
+from ..runtime.cache_args import find_cache
 
 ATTENTION_PARAMS = ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")
 
@@ -36,8 +37,8 @@ class NaturalAttention(nn.Module):
                           o=self.o_proj.weight, q_bias=self.q_proj.bias, kv_a_bias=self.kv_a_proj.bias,
                           o_bias=self.o_proj.bias, **self.dims)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
-        if past_key_values is not None and kwargs.get("use_cache"):
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, *args, **kwargs):
+        if find_cache(args, kwargs) is not None and kwargs.get("use_cache", True):
             raise RuntimeError("NaturalAttention has no KV cache: export the model to generate with it")
         cos, sin = position_embeddings
         return mla_attention(hidden_states, self.weights(), cos, sin), None

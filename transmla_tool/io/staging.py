@@ -29,9 +29,25 @@ def check_target(path: str | Path, overwrite: bool) -> Path:
         raise UserError(f"output {target} already exists; pass --overwrite to replace it")
     if target.exists() and not target.is_dir():
         raise UserError(f"output {target} exists and is not a directory")
-    if not target.parent.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-    return target
+    return target  # nothing is created here: a refused command leaves no directory behind
+
+
+def make_parents(target: Path) -> list[Path]:
+    """Create the missing parent directories of `target`; returns them, deepest first (for remove_empty)."""
+    created, parent = [], target.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return created
+
+
+def remove_empty(directories: list[Path]) -> None:
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return  # not empty (or already gone): leave it and everything above it
 
 
 def staging_path(path: str | Path) -> Path:
@@ -67,12 +83,14 @@ def staged_directory(path: str | Path, overwrite: bool, resume: bool = False):
             raise UserError(f"an unfinished conversion is in {staging}; pass --resume to continue it or "
                             "--overwrite to discard it")
         shutil.rmtree(staging)
+    parents = make_parents(target)
     staging.mkdir(exist_ok=True)
     _lock(staging)
     try:
         yield staging
     except UserError:
         shutil.rmtree(staging, ignore_errors=True)
+        remove_empty(parents)
         raise
     except BaseException:
         if (staging / RESUMABLE_MARK).exists():
@@ -81,6 +99,7 @@ def staged_directory(path: str | Path, overwrite: bool, resume: bool = False):
                   "with --overwrite to start over", file=sys.stderr)
         else:
             shutil.rmtree(staging, ignore_errors=True)
+            remove_empty(parents)
         raise
     for name in (RESUMABLE_MARK, LOCK_FILE):
         (staging / name).unlink(missing_ok=True)

@@ -25,6 +25,16 @@ DEFAULT_MAX_SHARD = "2GB"
 PARTS = "parts"
 
 
+def check_shard_size(max_shard_size) -> None:
+    """A size huggingface_hub's splitter accepts ('2GB', '500MB', bytes), checked before any work."""
+    from ..errors import UserError
+
+    try:
+        split_torch_state_dict_into_shards({"probe": torch.zeros(1)}, max_shard_size=max_shard_size)
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"--max-shard-size {max_shard_size!r}: {exc}") from exc
+
+
 class ShardedWriter:
     def __init__(self, directory: str | Path, planned: dict[str, torch.Tensor], max_shard_size=DEFAULT_MAX_SHARD):
         self.directory = Path(directory)

@@ -31,6 +31,8 @@ import types
 
 import torch
 
+from .cache_args import find_cache
+
 # Steps with at most this many new tokens per sequence use the absorbed path (decode, short
 # speculative chunks); longer ones are prefill and keep the expanded path.
 ABSORB_MAX_QUERY = 16
@@ -107,13 +109,6 @@ def _queries(module, hidden_states):
     return module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
 
 
-def _find_cache(args, kwargs):
-    """The transformers Cache among a call's arguments, whatever keyword carries it (or None)."""
-    from transformers.cache_utils import Cache
-
-    return next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None)
-
-
 def _absorbed_forward(self, hidden_states, *args, **kwargs):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
         apply_rotary_pos_emb,
@@ -121,7 +116,7 @@ def _absorbed_forward(self, hidden_states, *args, **kwargs):
     )
 
     bsz, length = hidden_states.shape[:-1]
-    cache = _find_cache(args, kwargs)
+    cache = find_cache(args, kwargs)
     if cache is None or length > self._absorb_max_query:
         return self._stock_forward(hidden_states, *args, **kwargs)
     # the stock signature, (hidden_states, position_embeddings, attention_mask, cache, ...), positional or not
