@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -22,6 +23,18 @@ def test_mqa_full_rank_is_exact(make_model, convert_tiny):
     ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
     assert rel_err(logits(out, ids), logits(src, ids)) < 1e-5
     assert summary["cache_values_per_token_per_layer"] == {"original": 32, "converted": 32}
+
+
+def test_source_norm_eps_kept_exactly(make_model, convert_tiny):
+    """A source trained with RMSNorm eps 1e-5 (Llama, Mistral, SmolLM2): the output's norms all take 1e-6
+    (transformers hard-codes it for the latent norm, vLLM reads the config), and the residual stream is
+    scaled so every block norm still acts as with 1e-5: the full-rank conversion stays exact."""
+    src = make_model("llama", kv_heads=1, rms_norm_eps=1e-5)
+    out, summary, _ = convert_tiny(src, latent_dim=16, rope_dim=16)
+    ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
+    assert rel_err(logits(out, ids), logits(src, ids)) < 1e-5
+    assert json.loads((out / "config.json").read_text())["rms_norm_eps"] == 1e-6
+    assert summary["residual_scale"] == pytest.approx(0.1**0.5) and summary["source_rms_norm_eps"] == 1e-5
 
 
 @pytest.mark.parametrize(
@@ -103,10 +116,12 @@ def test_bit_identical_outputs(make_model, convert_tiny, tmp_path):
 def test_sharded_output_loads(make_model, convert_tiny):
     src = make_model("llama", kv_heads=2)
     out, _, _ = convert_tiny(src, latent_dim=12, rope_dim=8, max_shard_size="40KB")
+    whole, _, _ = convert_tiny(src, latent_dim=12, rope_dim=8)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
+    assert not (whole / "model.safetensors.index.json").exists()
     ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
-    assert torch.isfinite(logits(out, ids)).all()
+    assert torch.equal(logits(out, ids), logits(whole, ids))  # the same checkpoint, only split differently
 
 
 def test_bfloat16_output(make_model, convert_tiny):
@@ -127,7 +142,11 @@ def test_output_files(make_model, convert_tiny):
                  "conversion.json"):
         assert (out / name).exists(), name
     card = (out / "README.md").read_text()
-    assert "12" in card and "latent" in card and summary["version"] in card
+    assert summary["version"] in card
+    # the source cached K and V of its 2 KV heads (not its 4 query heads): 2 x 2 x 16 = 64 values
+    assert "| original (K and V of 2 heads x 16 (GQA, 4 query heads)) | 64 |" in card
+    assert "| converted (latent 12 + rotary key 8) | 20 | 69% saved |" in card
+    assert "| latent_dim | `12` |" in card
     assert not list(out.parent.glob(".*partial*"))
     stages = summary["stages"]
     assert {"read layer", "statistics", "factorize", "write", "assemble shards"} <= set(stages)
@@ -256,6 +275,22 @@ def test_qwen2_bias_free_output(trained_model, convert_tiny, text_file):
     print("qwen2 perplexity ratio to the source:", {k: round(v, 4) for k, v in ratios.items()})
     assert all(math.isfinite(r) for r in ratios.values())
     assert ratios["drop, refined"] < ratios["drop, closed form"]
+
+
+def test_dropped_biases_without_refinement_warn(make_model, convert_tiny, capsys):
+    """Biases dropped for an engine target with nothing to absorb them (no refinement) say so, on stderr and in
+    conversion.json; with refinement on there is no warning."""
+    from transmla_tool.methods import PRESETS
+
+    src = make_model("qwen2", kv_heads=2)
+    out, summary, _ = convert_tiny(src, latent_dim=24, rope_dim=8, target="llamacpp", method=PRESETS["closed-form"],
+                                   method_name="closed-form")
+    assert json.loads((out / "config.json").read_text())["attention_bias"] is False
+    assert len(summary["warnings"]) == 1 and "no layer-local refinement" in summary["warnings"][0]
+    assert "warning: the source's attention biases are dropped" in capsys.readouterr().err
+    _, refined, _ = convert_tiny(src, latent_dim=24, rope_dim=8, target="llamacpp",
+                                 method=dataclasses.replace(PRESETS["default"], refine_steps=5))
+    assert refined["warnings"] == []
 
 
 def test_target_llamacpp(make_model, convert_tiny):

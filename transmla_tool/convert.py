@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -22,7 +23,8 @@ from .calibrate import SourceLayers, chunks, run_layer_with_attention, run_sourc
 from .data import token_windows
 from .engines import servability
 from .errors import UserError
-from .export import attention_prefix, deepseek_config, planned_state_dict, stock_attention
+from .export import (attention_prefix, deepseek_config, planned_state_dict, residual_scale, scale_residual_writers,
+                     stock_attention)
 from .io.source import open_source
 from .io.staging import RESUMABLE_MARK, check_target, staged_directory, staging_path
 from .io.writer import DEFAULT_MAX_SHARD, ShardedWriter, check_shard_size
@@ -228,8 +230,16 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
                             settings.text_field)
     attention_bias = geometry.q_bias or geometry.k_bias or geometry.v_bias or geometry.o_bias
     drop_biases = attention_bias and _drop_biases(settings)
+    warnings = []
     if drop_biases:
         attention_bias = False
+        if not settings.method.refine_steps:
+            warnings.append(
+                f"the source's attention biases are dropped (--target {settings.target}, --biases {settings.biases}) and "
+                f"method '{settings.method_name}' has no layer-local refinement to absorb them: the output is the "
+                "source without its biases. Use --method default, or --biases keep with --target transformers")
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     targets = [
         _Target(latent_dim=r, output=out, config=deepseek_config(
             source.config, geometry, latent_dim=max(r, settings.pad_latent_to), rope_dim=settings.rope_dim,
@@ -261,7 +271,14 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
                     "original": geometry.cache_values_per_token_per_layer,
                     "converted": t.config.kv_lora_rank + settings.rope_dim,
                 },
+                "original_kv_heads": geometry.num_kv_heads,
+                "original_head_dim": geometry.head_dim,
+                # every output norm uses eps 1e-6; the source's own eps is kept exactly by scaling the residual
+                # stream (export.residual_scale)
+                "source_rms_norm_eps": geometry.rms_norm_eps,
+                "residual_scale": residual_scale(geometry.rms_norm_eps),
                 "servable": servability(t.config),
+                "warnings": warnings,
                 # 0 when every rotary slot turns at its source frequency; > 0 for a scaled rope mapped onto
                 # DeepSeek YaRN (--target vllm): the largest |log(frequency ratio)| over the slots
                 "rope_slot_max_log_error": round(t.rope_slot_max_log_error, 6),
@@ -382,10 +399,11 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
     method = settings.method
     layers = SourceLayers(source, geometry, device)
     first = 0
+    scale = residual_scale(geometry.rms_norm_eps)  # 1 for a source trained with the stock eps (1e-6)
     if resumed is None:
         embed = source.get(EMBED, dtype=None)  # as stored: a 128K-vocabulary fp32 copy would be 2 GB more
         for t in targets:
-            t.writer.add_part("embed", {EMBED: embed})
+            t.writer.add_part("embed", {EMBED: embed * scale if scale != 1.0 else embed})
         hidden = embed[ids].float().to(device)  # (N, L, d) fp32: the calibration windows' residual stream
         del embed
         if method.calib_inputs == "converted":
@@ -469,6 +487,7 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
             group = {prefix + name: tensor for name, tensor in tensors.items()}
             for name in LAYER_PASSTHROUGH:
                 group[LAYER_PREFIX.format(i=i) + name] = layer.get_parameter(name)
+            group = scale_residual_writers(group, scale)
             with stage("write"):
                 t.writer.add_part(f"layer-{i:05d}", group)
             del group

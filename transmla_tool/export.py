@@ -5,7 +5,9 @@ the stock DeepSeek loaders of vLLM and SGLang. Facts this relies on (transformer
 modeling_deepseek_v3.py and vLLM's deepseek_v2.py):
 - q_lora_rank null -> plain q_proj without bias; kv_a_proj_with_mqa -> [latent | rotary key];
 - kv_a_layernorm / q_a_layernorm use eps 1e-6 in transformers whatever the config says, while vLLM
-  uses config.rms_norm_eps: we write rms_norm_eps = 1e-6 so both agree;
+  uses config.rms_norm_eps: we write rms_norm_eps = 1e-6 so both agree. The block norms then get 1e-6
+  too; a source trained with another eps (1e-5: Llama, Mistral, SmolLM2) stays exact because the whole
+  residual stream is scaled by s = sqrt(1e-6 / eps), see residual_scale();
 - MoE only for layers >= first_k_dense_replace: set to num_hidden_layers so every MLP stays dense;
 - num_key_value_heads must equal num_attention_heads (keys are expanded per head from the latent);
 - rope_interleave true: rotary pairs are adjacent dims (vLLM always assumes that layout).
@@ -22,6 +24,27 @@ from .ops.linear_norm import input_norm_bound, linearizing_scale, mean_square_bo
 from .ops.mla import MLAWeights
 
 STOCK_NORM_EPS = 1e-6  # what transformers' DeepseekV3RMSNorm uses for the latent norms
+
+# Tensors that write into the residual stream (names relative to a layer), scaled by residual_scale()
+RESIDUAL_WRITERS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight")
+
+
+def residual_scale(source_eps: float) -> float:
+    """s with RMSNorm(s x; STOCK_NORM_EPS) == RMSNorm(x; source_eps) for every x: s^2 = STOCK_NORM_EPS / source_eps.
+
+    Every norm of the output (blocks and final) takes eps 1e-6, while the source's block norms were trained
+    with their own eps. RMSNorm(s x; e') = x / sqrt(mean(x^2) + e' / s^2) * w, so scaling the whole residual
+    stream by s (the embedding and every projection writing into it: o_proj, down_proj) makes each norm see
+    exactly the source's eps; the norms' outputs, hence everything after them, are unchanged. The lm_head reads
+    the final norm's output and is not scaled (convert always writes it untied)."""
+    return math.sqrt(STOCK_NORM_EPS / source_eps)
+
+
+def scale_residual_writers(group: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The layer tensors of `group` (full names) that write into the residual stream, multiplied by `scale`."""
+    if scale == 1.0:
+        return group
+    return {name: tensor * scale if name.endswith(RESIDUAL_WRITERS) else tensor for name, tensor in group.items()}
 
 
 def deepseek_config(src_config, geometry: AttentionGeometry, *, latent_dim: int, rope_dim: int,

@@ -33,7 +33,7 @@ def write_model_card(directory: Path, summary: dict, config, extra_sections: lis
         "",
         "| | values | |",
         "|---|---|---|",
-        f"| original (2 x {config.num_attention_heads}-head GQA K/V) | {cache['original']} | |",
+        f"| original ({_original_cache(summary, config)}) | {cache['original']} | |",
         f"| converted (latent {config.kv_lora_rank} + rotary key {config.qk_rope_head_dim}) | "
         f"{cache['converted']} | {saved:.0%} saved |",
         "",
@@ -69,8 +69,24 @@ def write_model_card(directory: Path, summary: dict, config, extra_sections: lis
     lines += [
         "- The latent RMSNorm (`kv_a_layernorm`) is linearized: its input is scaled so the norm acts as an "
         "exact identity in fp32 and bf16; do not cast this checkpoint to fp16.",
-        "",
     ]
+    scale = summary.get("residual_scale", 1.0)
+    if scale != 1.0:
+        lines.append(
+            f"- Every RMSNorm uses eps 1e-6 (transformers fixes it for the latent norm); the source's blocks used "
+            f"{summary['source_rms_norm_eps']:g}, kept exactly by scaling the residual stream by {scale:.6g} "
+            "(embeddings, o_proj, down_proj).")
+    lines.append("")
     for section in extra_sections or []:
         lines += [section, ""]
     (directory / "README.md").write_text("\n".join(lines))
+
+
+def _original_cache(summary: dict, config) -> str:
+    """What the source cached per layer, e.g. "K and V of 3 heads x 64 (GQA, 9 query heads)"."""
+    kv_heads, head_dim = summary.get("original_kv_heads"), summary.get("original_head_dim")
+    if kv_heads is None:  # conversion.json written before these were recorded
+        return "K and V"
+    heads = config.num_attention_heads
+    kind = "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else "GQA")
+    return f"K and V of {kv_heads} heads x {head_dim} ({kind}, {heads} query heads)"
