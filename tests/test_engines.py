@@ -283,3 +283,14 @@ def test_eval_in_llamacpp(tmp_path):
     print(f"original perplexity in llama.cpp: Q4_1 file {native:.4f}, re-typed F32 {retyped:.4f}")
     assert abs(retyped / native - 1) < 0.05
     assert "re-typed by llama-quantize" in (tmp_path / "report-f32" / "report.md").read_text()
+
+
+def test_pre_tokenizer_names_are_llama_cpps():
+    """export-gguf's list of pre-tokenizer names is the one the built llama.cpp's loader accepts."""
+    import re
+
+    from transmla_tool.gguf_export import LLAMA_CPP_PRE_TOKENIZERS
+
+    source = _llamacpp_or_skip().parents[2] / "src" / "llama-vocab.cpp"
+    known = set(re.findall(r'tokenizer_pre == "([^"]+)"', source.read_text()))
+    assert known and set(LLAMA_CPP_PRE_TOKENIZERS) == known, sorted(known ^ set(LLAMA_CPP_PRE_TOKENIZERS))

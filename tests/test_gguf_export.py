@@ -107,3 +107,57 @@ def test_failure_leaves_no_file(converted, tmp_path):
     with pytest.raises(UserError, match="missing model.safetensors"):
         export_gguf(GGUFSettings(checkpoint=str(broken), output=str(out), tokenizer_pre="gpt-2"))
     assert list(tmp_path.glob("*never.gguf*")) == []
+
+
+def _copy(converted, tmp_path, name, **config_changes):
+    """The converted checkpoint under another name, its config.json changed (None removes a key)."""
+    other = tmp_path / name
+    other.mkdir()
+    for f in converted.iterdir():
+        if f.is_file():
+            (other / f.name).symlink_to(f)
+    config = json.loads((converted / "config.json").read_text())
+    config.update(config_changes)
+    (other / "config.json").unlink()
+    (other / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return other
+
+
+def test_refusals_are_one_line(converted, tmp_path, capsys):
+    """Each bad input is a one-line error naming the problem, before any file is written."""
+    malformed = tmp_path / "malformed"
+    malformed.mkdir()
+    (malformed / "config.json").write_text("{not json")
+    not_gguf = tmp_path / "tokenizer.gguf"
+    not_gguf.write_bytes(b"definitely not a GGUF file" * 10)
+    cases = [
+        ([str(converted), "--tokenizer-pre", "definitely-not-a-pre"], "is not a pre-tokenizer llama.cpp knows"),
+        ([str(malformed), "--tokenizer-pre", "gpt-2"], "is not valid JSON"),
+        ([str(_copy(converted, tmp_path, "no-layers", num_hidden_layers=None)), "--tokenizer-pre", "gpt-2"],
+         "lacks num_hidden_layers"),
+        ([str(converted), "--tokenizer-gguf", str(not_gguf)], "is not a readable GGUF file"),
+    ]
+    for args, needle in cases:
+        out = tmp_path / "x.gguf"
+        assert main(["export-gguf", *args, "--output", str(out)]) == 2, needle
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+        assert not list(tmp_path.glob("*x.gguf*"))
+
+
+def test_token_list_fills_the_vocabulary(converted, tmp_path):
+    """An embedding with more rows than the tokenizer has tokens (Qwen2.5) gets one unused placeholder per extra
+    row; a tokenizer GGUF whose token count differs from vocab_size is refused."""
+    import gguf
+
+    config = json.loads((converted / "config.json").read_text())
+    padded = _copy(converted, tmp_path, "padded", vocab_size=config["vocab_size"] + 16)
+    out = tmp_path / "p.gguf"
+    export_gguf(GGUFSettings(checkpoint=str(padded), output=str(out), tokenizer_pre="gpt-2"))
+    reader = gguf.GGUFReader(out)
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == config["vocab_size"] + 16 and tokens[-1] == f"[PAD{config['vocab_size'] + 15}]"
+    assert reader.fields["tokenizer.ggml.token_type"].contents()[-1] == gguf.TokenType.UNUSED
+    # the GGUF just written has vocab_size + 16 tokens: as the tokenizer of the unpadded checkpoint it is refused
+    with pytest.raises(UserError, match=f"has {config['vocab_size'] + 16} tokens but the checkpoint's vocab_size"):
+        export_gguf(GGUFSettings(checkpoint=str(converted), output=str(tmp_path / "q.gguf"), tokenizer_gguf=str(out)))

@@ -30,6 +30,24 @@ OUTTYPES = ("f32", "bf16", "f16", "q8_0")
 # tensors too small in magnitude for f16 or quantized blocks (see module doc)
 KEEP_PRECISE = ("attn_kv_a_mqa",)
 QUANTIZE_HINT = "llama-quantize --tensor-type attn_kv_a_mqa=bf16 {src} {dst} Q8_0"
+# The pre-tokenizer names llama.cpp's loader knows (src/llama-vocab.cpp of the llama-cpp-python 0.3.36 sdist; any
+# other name makes it refuse the file). tests/test_engines.py checks this list against the built source.
+LLAMA_CPP_PRE_TOKENIZERS = (
+    "a.x-4.0", "afmoe", "bailingmoe", "bailingmoe2", "bloom", "chameleon", "chatglm-bpe", "codeshell", "cohere2moe",
+    "command-r", "dbrx", "deepseek-coder", "deepseek-llm", "deepseek-r1-qwen", "deepseek-v3", "default", "exaone",
+    "exaone-moe", "exaone4", "f2llmv2", "falcon", "falcon-h1", "falcon3", "gemma4", "gigachat", "glm4", "glm5",
+    "gpt-2", "gpt-4o", "gpt3-finnish", "granite-docling", "granite-embed-multi-311m", "granite-embed-multi-97m",
+    "grok-2", "hunyuan", "hunyuan-dense", "hy_v4", "jais", "jais-2", "jina-de", "jina-es", "jina-v1-en",
+    "jina-v2-code", "jina-v2-de", "jina-v2-es", "jina-v5-nano", "joyai-llm", "kanana2", "kimi-k2", "kormo", "laguna",
+    "lfm2", "llada-moe", "llama-bpe", "llama-v3", "llama3", "llama4", "megrez", "mellum", "mellum2", "midm-2.0",
+    "minerva-7b", "minicpm5", "minimax-m2", "modern-bert", "mpt", "olmo", "phi-2", "pixtral", "poro-chat", "qwen2",
+    "qwen35", "refact", "roberta-bpe", "sarvam-moe", "seed-coder", "smaug-bpe", "smollm", "solar-open", "spark2_5",
+    "stablelm2", "starcoder", "superbpe", "talkie", "tekken", "tiny_aya", "trillion", "ufakzeka", "viking",
+    "whitespace", "youtu",
+)
+REQUIRED_CONFIG = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
+                   "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "max_position_embeddings",
+                   "rms_norm_eps")
 
 
 @dataclass
@@ -54,13 +72,17 @@ def export_gguf(settings: GGUFSettings) -> dict:
         raise UserError(f"--output {out} must end in .gguf")
     if out.exists() and not settings.overwrite:
         raise UserError(f"{out} already exists; pass --overwrite to replace it")
+    if settings.tokenizer_pre is not None and settings.tokenizer_pre not in LLAMA_CPP_PRE_TOKENIZERS:
+        raise UserError(f"--tokenizer-pre {settings.tokenizer_pre!r} is not a pre-tokenizer llama.cpp knows (it would "
+                        "refuse the file); use one of: llama-bpe (Llama 3), qwen2, smollm, gpt-2, ... (see "
+                        "LLAMA_CPP_PRE_TOKENIZERS in transmla_tool/gguf_export.py)")
     tokenizer_source = _tokenizer_source(ckpt, settings)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial")
     writer = gguf.GGUFWriter(partial, "deepseek2")
     try:
         _write_metadata(writer, config, settings.outtype, ckpt.name)
-        _write_tokenizer(writer, ckpt, tokenizer_source, settings.tokenizer_pre)
+        _write_tokenizer(writer, ckpt, tokenizer_source, settings.tokenizer_pre, config["vocab_size"])
         tensors = _write_tensors(writer, ckpt, config, settings.outtype)
         writer.close()
         os.replace(partial, out)
@@ -88,12 +110,20 @@ def _read_config(ckpt: Path) -> dict:
     path = ckpt / "config.json"
     if not path.exists():
         raise UserError(f"{ckpt} has no config.json; pass the directory `transmla-tool convert` wrote")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON ({exc}); pass the directory `transmla-tool convert` wrote") from exc
+    if not isinstance(config, dict):
+        raise UserError(f"{path} does not hold a JSON object; pass the directory `transmla-tool convert` wrote")
     if config.get("model_type") != "deepseek_v3":
         raise UserError(f"{ckpt} is a {config.get('model_type')} model, not a converted deepseek_v3 checkpoint")
     if config.get("attention_bias"):
         raise UserError(f"{ckpt} has attention biases, which llama.cpp's deepseek2 ignores; convert with "
                         "--biases drop (or --target vllm) for an engine checkpoint")
+    missing = [key for key in REQUIRED_CONFIG if config.get(key) is None]
+    if missing:
+        raise UserError(f"{path} lacks {', '.join(missing)}; it was not written by `transmla-tool convert`")
     if config.get("first_k_dense_replace", 0) < config["num_hidden_layers"]:
         raise UserError(f"{ckpt} has MoE layers; export-gguf handles the all-dense checkpoints convert writes")
     return config
@@ -173,11 +203,19 @@ def _write_metadata(writer, config: dict, outtype: str, name: str) -> None:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _write_tokenizer(writer, ckpt: Path, source_gguf: str | None, pre: str | None) -> None:
+def _write_tokenizer(writer, ckpt: Path, source_gguf: str | None, pre: str | None, vocab_size: int) -> None:
     import gguf
 
     if source_gguf:
-        reader = gguf.GGUFReader(source_gguf)
+        try:
+            reader = gguf.GGUFReader(source_gguf)
+        except (ValueError, OSError, KeyError) as exc:
+            raise UserError(f"--tokenizer-gguf {source_gguf} is not a readable GGUF file ({exc})") from exc
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        count = len(tokens.data) if tokens is not None else 0
+        if tokens is not None and count != vocab_size:
+            raise UserError(f"--tokenizer-gguf {source_gguf} has {count} tokens but the checkpoint's vocab_size is "
+                            f"{vocab_size}: pass a GGUF of the model this checkpoint was converted from")
         copied = 0
         for key, field in reader.fields.items():
             if not key.startswith("tokenizer."):
@@ -201,6 +239,14 @@ def _write_tokenizer(writer, ckpt: Path, source_gguf: str | None, pre: str | Non
         tokens.append(text)
         scores.append(score)
         types.append(kind)
+    if len(tokens) > vocab_size:
+        raise UserError(f"{ckpt}/tokenizer.json has {len(tokens)} tokens, more than the checkpoint's vocab_size "
+                        f"{vocab_size}")
+    # the embedding has vocab_size rows (Qwen2.5: 151,936 for ~151,665 tokens): llama.cpp wants one token per row,
+    # so the rest are unused placeholders, as llama.cpp's own converter writes them
+    for i in range(len(tokens), vocab_size):
+        tokens.append(f"[PAD{i}]")
+        types.append(gguf.TokenType.UNUSED)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
