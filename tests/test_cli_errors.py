@@ -181,5 +181,32 @@ def test_bad_override_values(capsys, base_args, value):
     assert code == 2 and len(err.splitlines()) == 1
 
 
-def test_no_torch_state_leak():
-    assert torch.get_default_dtype() == torch.float32
+def test_no_torch_state_leak(base_args, capsys):
+    """A conversion (bf16 output, refinement on) and a refused one leave torch's global state as they found it."""
+    before = (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads())
+    code, _ = _run(capsys, [*base_args(**{"--dtype": "bfloat16"}), "--set", "refine_steps=3"])
+    assert code == 0
+    code, _ = _run(capsys, base_args(**{"--latent-dim": "0"}))
+    assert code == 2
+    assert (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads()) == before
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("convert: [unclosed\n", "is not valid YAML at line"),
+    ("- just\n- a list\n", "must be a mapping of command names to settings, not a list"),
+])
+def test_bad_config_file(capsys, tmp_path, text, needle):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    code = main(["convert", "--config", str(recipe), "--model", "x", "--latent-dim", "8", "--output", "y"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and needle in err and len(err.splitlines()) == 1, err
+
+
+def test_demo_checks_its_flags_before_converting(capsys, tmp_path, monkeypatch):
+    from transmla_tool import demo
+
+    monkeypatch.setattr(demo, "convert", lambda *a, **k: pytest.fail("converted before checking --contexts"))
+    code = main(["demo", "--output-dir", str(tmp_path / "d"), "--contexts", "1024,0", "--device", "cpu"])
+    assert code == 2 and "--contexts must be positive" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

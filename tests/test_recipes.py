@@ -48,3 +48,39 @@ def test_accelerate_configs_are_yaml():
     for config in configs:
         data = yaml.safe_load(config.read_text())
         assert data["distributed_type"] in ("MULTI_GPU", "FSDP", "DEEPSPEED")
+
+
+# Each recipe's family as a tiny fixture (what the recipe's header describes).
+RECIPE_FAMILY = {
+    "llama3.yaml": ("llama", dict(kv_heads=2, rope_scaling=True)),
+    "mistral.yaml": ("mistral", dict(kv_heads=2)),
+    "qwen2.yaml": ("qwen2", dict(kv_heads=2)),
+    "smollm2.yaml": ("llama", dict(kv_heads=2)),
+}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_converts_its_family_as_its_header_says(recipe, make_model, text_file, tmp_path):
+    """The recipe's convert section run on a tiny model of its family: only what ties it to the real model
+    and a GPU is replaced (model, output, sizes, calibration, device); its target and biases are its own, and
+    the written checkpoint is what the header tells the user (rope written as DeepSeek YaRN for vLLM, biases
+    kept for transformers)."""
+    import json
+
+    family, kwargs = RECIPE_FAMILY[recipe.name]
+    section = yaml.safe_load(recipe.read_text())["convert"]
+    header = " ".join(line.lstrip("# ") for line in recipe.read_text().splitlines() if line.startswith("#"))
+    src = make_model(family, **kwargs)
+    out = tmp_path / "out"
+    pad = ["--pad-latent-to", str(320 - 8)] if section.get("target", "vllm") == "vllm" else []
+    code = main(["convert", "--config", str(recipe), "--model", str(src), "--output", str(out), "--latent-dim", "16",
+                 "--rope-dim", "8", *pad, "--calib-data", str(text_file), "--calib-samples", "4", "--calib-seq-len",
+                 "32", "--device", "cpu", "--dtype", "float32", "--set", "refine_steps=5", "--no-progress"])
+    assert code == 0
+    config = json.loads((out / "config.json").read_text())
+    if kwargs.get("rope_scaling"):
+        written = config["rope_parameters"]["rope_type"]
+        claims = {"yarn": "is written as DeepSeek YaRN", "llama3": 'is written as rope_type "llama3"'}
+        assert claims[written] in header and all(c not in header for k, c in claims.items() if k != written), header
+    if family == "qwen2":
+        assert config["attention_bias"] is ("biases are kept exactly" in header), header

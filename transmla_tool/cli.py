@@ -327,6 +327,13 @@ def expand_config(argv: list[str]) -> list[str]:
             recipe = yaml.safe_load(f) or {}
     except OSError as exc:
         raise UserError(f"cannot read --config {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise UserError(f"--config {path} is not valid YAML{at}: {getattr(exc, 'problem', None) or exc}") from exc
+    if not isinstance(recipe, dict):
+        raise UserError(f"--config {path} must be a mapping of command names to settings, not a "
+                        f"{type(recipe).__name__}")
     command = rest[0] if rest else ""
     section = recipe.get(command)
     if not isinstance(section, dict):

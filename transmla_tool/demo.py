@@ -16,7 +16,7 @@ from .assets import domain_splits, smollm2_gguf
 from .convert import ConvertSettings, convert
 from .evaluate.local_task import build_cloze_task
 from .evaluate.report import markdown
-from .evaluate.run import EvalSettings, run_eval
+from .evaluate.run import EvalSettings, check_settings, run_eval
 from .methods import resolve_method
 
 
@@ -37,7 +37,19 @@ class DemoSettings:
     progress: bool = True
 
 
+def _evaluation(settings: DemoSettings, model_dir: str, gguf: str, converted: str, heldout: str,
+                tasks: str) -> EvalSettings:
+    return EvalSettings(
+        original=model_dir, gguf_file=gguf, converted=converted, output_dir=str(Path(settings.output_dir) / "report"),
+        data=heldout, max_tokens=settings.max_tokens, contexts=settings.contexts,
+        new_tokens=settings.new_tokens, tasks=["lee_cloze"], include_path=tasks, dtype="float32",
+        device=settings.device, progress=settings.progress,
+    )
+
+
 def run_demo(settings: DemoSettings) -> dict:
+    # the evaluation's flags are checked before anything is built or converted (the conversion takes minutes)
+    check_settings(_evaluation(settings, "", "", "", "", ""), converted_exists=False)
     out = Path(settings.output_dir)
     model_dir, gguf = smollm2_gguf()
     splits = domain_splits(out / "data")
@@ -45,6 +57,7 @@ def run_demo(settings: DemoSettings) -> dict:
     heldout = ",".join(str(h) for _, h in splits.values())
     tasks = build_cloze_task(str(splits["news"][1]), out / "tasks", name="lee_cloze", examples=settings.task_examples)
     converted = out / f"smollm2-135m-mla-{settings.latent_dim + settings.rope_dim}"
+    evaluation = _evaluation(settings, model_dir, gguf, str(converted), heldout, str(tasks))
     print(f"[1/2] converting {model_dir}/{gguf} -> {converted}")
     summary = convert(ConvertSettings(
         model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=settings.latent_dim,
@@ -55,12 +68,7 @@ def run_demo(settings: DemoSettings) -> dict:
     ))
     print(f"      done in {summary['wall_time_s']} s, peak RSS {summary['peak_rss_mb']} MB")
     print(f"[2/2] evaluating original vs converted on held-out text of the four domains ({out / 'data'})")
-    report = run_eval(EvalSettings(
-        original=model_dir, gguf_file=gguf, converted=str(converted), output_dir=str(out / "report"),
-        data=heldout, max_tokens=settings.max_tokens, contexts=settings.contexts,
-        new_tokens=settings.new_tokens, tasks=["lee_cloze"], include_path=str(tasks), dtype="float32",
-        device=settings.device, progress=settings.progress,
-    ))
+    report = run_eval(evaluation)
     report["conversion"] = {"wall_time_s": summary["wall_time_s"], "peak_rss_mb": summary["peak_rss_mb"]}
     print()
     print(markdown(report))

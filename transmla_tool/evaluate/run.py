@@ -186,14 +186,14 @@ def evaluate_model(name: str, path: str, gguf_file, settings: EvalSettings, wind
     return result
 
 
-def run_eval(settings: EvalSettings) -> dict:
+def check_settings(settings: EvalSettings, converted_exists: bool = True):
+    """Every flag checked before any model or text is loaded; returns (device, dtype).
+    converted_exists=False: the converted model is still to be made (the demo checks before converting)."""
     from ..convert import resolve_device
 
-    start = time.time()
-    torch.manual_seed(settings.seed)
     device = resolve_device(settings.device)
     dtype = resolve_eval_dtype(settings.dtype, device)
-    if not Path(settings.converted).is_dir():
+    if converted_exists and not Path(settings.converted).is_dir():
         raise UserError(f"--converted {settings.converted} is not a directory written by transmla-tool convert")
     if any(c < 1 for c in settings.contexts):
         raise UserError("--contexts must be positive token counts")
@@ -208,6 +208,15 @@ def run_eval(settings: EvalSettings) -> dict:
         raise UserError(f"--prefill-chunk must be >= 1 token, got {settings.prefill_chunk}")
     if settings.skip_windows < 0:
         raise UserError(f"--skip-windows must be >= 0, got {settings.skip_windows}")
+    if settings.tasks and settings.engine != "transformers":
+        raise UserError(f"--tasks (lm-eval) runs through transformers; drop --tasks or --engine {settings.engine}")
+    return device, dtype
+
+
+def run_eval(settings: EvalSettings) -> dict:
+    start = time.time()
+    torch.manual_seed(settings.seed)
+    device, dtype = check_settings(settings)
     tokenizer = load_tokenizer(settings.original, settings.gguf_file)
     max_windows = settings.skip_windows + max(1, settings.max_tokens // settings.seq_len)
     windows = token_windows(settings.data, tokenizer, settings.seq_len, max_windows, settings.text_field,
@@ -216,8 +225,6 @@ def run_eval(settings: EvalSettings) -> dict:
         from ..engines.vllm_engine import vllm_python
         from .engine import check_vllm_serves, evaluate_in_vllm
 
-        if settings.tasks:
-            raise UserError("--tasks (lm-eval) runs through transformers; drop --tasks or --engine vllm")
         vllm_python()  # before any work (a GGUF original is dequantized to safetensors first): is vLLM installed?
         check_vllm_serves(settings.converted)
         results = {
@@ -229,8 +236,6 @@ def run_eval(settings: EvalSettings) -> dict:
 
         from .engine import evaluate_in_llamacpp
 
-        if settings.tasks:
-            raise UserError("--tasks (lm-eval) runs through transformers; drop --tasks or --engine llamacpp")
         with tempfile.TemporaryDirectory() as tmp:
             results = {k: evaluate_in_llamacpp(k, path, gguf, settings, windows, tokenizer, tmp)
                        for k, path, gguf in (("original", settings.original, settings.gguf_file),
