@@ -71,6 +71,14 @@ def test_eval_report(converted_pair, text_file, tmp_path):
     for name in ("report.md", "cache_bytes.png", "decode_speed.png", "scores.png"):
         assert (tmp_path / "report" / name).stat().st_size > 0
     assert "tiny_cloze" in (tmp_path / "report" / "report.md").read_text()
+    assert saved["plot_titles"]["cache_bytes.png"] == "KV cache held by transformers"
+    # the same report as if measured in another engine names that engine, not transformers
+    from transmla_tool.evaluate.report import plots
+
+    other = dict(saved, environment=dict(saved["environment"], engine="llama.cpp 0.5.0-dev"))
+    plots(other, tmp_path)
+    assert other["plot_titles"] == {"cache_bytes.png": "KV cache held by llama.cpp 0.5.0-dev",
+                                    "decode_speed.png": "Greedy decode speed in llama.cpp 0.5.0-dev (batch 1)"}
 
 
 def test_eval_cli_rejects_missing_converted(capsys, converted_pair, tmp_path, text_file):

@@ -96,11 +96,12 @@ def plots(report: dict, directory: Path) -> list[str]:
     written = []
     contexts = [int(c) for c in report["kv_cache"]["measured_bytes"]]
     keys = [str(c) for c in contexts]
+    engine = report.get("environment", {}).get("engine", "transformers")  # "transformers", "vllm 0.32.0", ...
     for name, title, series, ylabel in (
-        ("cache_bytes.png", "KV cache held by transformers",
+        ("cache_bytes.png", f"KV cache held by {engine}",
          {k: [report["kv_cache"]["measured_bytes"][c][k] / 2**20 for c in keys] for k in ("original", "converted")},
          "MiB"),
-        ("decode_speed.png", "Greedy decode speed (batch 1, median)",
+        ("decode_speed.png", f"Greedy decode speed in {engine} (batch 1)",
          {k: [report["decode_tokens_per_s"][c][k] for c in keys] for k in report["decode_tokens_per_s"][keys[0]]},
          "tokens / s"),
     ):
@@ -111,6 +112,7 @@ def plots(report: dict, directory: Path) -> list[str]:
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
+        report.setdefault("plot_titles", {})[name] = title
         ax.legend()
         fig.tight_layout()
         fig.savefig(directory / name, dpi=120)
