@@ -98,7 +98,8 @@ def evaluate_in_vllm(name: str, path: str, gguf_file: str | None, settings, wind
             "analytic_bytes": per_token_layer * layers * length * element,
             "measured_values_per_token_per_layer": kv["bytes_per_token_per_layer"] / element,
             "analytic_values_per_token_per_layer": per_token_layer,
-            "decode": {"": {"tokens_per_s": timing["tokens_per_s"], "step_ms_median": 1e3 * timing["decode_s_per_token"],
+            "decode": {"": {"tokens_per_s": timing["tokens_per_s"], "step_ms_median": (None if timing["decode_s_per_token"] is None
+                                                                      else 1e3 * timing["decode_s_per_token"]),
                             "step_ms_mean": None, "gpu_kernel_ms_per_step": None, "steps": settings.new_tokens,
                             "warmup_steps": 1, "peak_memory_mb": None}},
         }
