@@ -7,12 +7,19 @@ and run without a cache). Code that hands a cache over or looks for one goes thr
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 
 def cache_keyword(model) -> str:
     """The keyword `model(...)` takes its cache by: `cache` where the signature has it, else `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return _cache_keyword(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class) -> str:
+    # per class, once: eval calls this at every decode step, and inspecting a signature is not free
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def find_cache(args, kwargs):
