@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from .errors import UserError
+from .ops.basis import LATENT_BASES
+from .ops.kv_quant import SIMULATED_CACHE_TYPES
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class Method:
     refine_batch: int = 4
     refine_queries: int = 128
     refine_windows: int = 128
+    # Rounds of the closed-form value-path fit after the Adam steps (0 = none): o_proj and kv_b's value rows
+    # refitted by least squares for the attention the fit ended with (ops/value_solve.py).
+    refine_value_solve: int = 0
     # Pull of the refinement toward its closed-form start (0 = none): anchor x mean relative squared change
     # of the weights, added to the fitted loss (a prior against over-fitting the calibration text).
     refine_anchor: float = 0.0
@@ -44,6 +49,15 @@ class Method:
     # to this fraction of each channel's RMS and fitted to the source block's output on it, so the fit
     # also holds off the calibration text's own directions.
     refine_noise: float = 0.0
+    # Basis of the latent (exact: any orthogonal rotation folds into kv_a and kv_b; ops/basis.py): "pca" (the
+    # closed form's order, energy piled into the first channels), "hadamard" (randomized Hadamard: every
+    # 32-value block of a quantized cache gets loud and quiet channels alike), "random" (a seeded rotation).
+    latent_basis: str = "pca"
+    # Rotary-key pairs scaled to equal energy, queries inversely (exact): "none" or "energy".
+    rope_key_balance: str = "none"
+    # Cache type the layer-local refinement fits through (quantization-aware, straight-through gradient):
+    # "none" (exact cache), or a llama.cpp type (f16, q8_0, q5_0, q5_1, q4_0, q4_1; ops/kv_quant.py).
+    refine_cache: str = "none"
     # Inputs each layer is calibrated on: "source" (source model's hidden states) or "converted"
     # (the converted model's own hidden states, so errors do not accumulate across layers).
     calib_inputs: str = "source"
@@ -82,12 +96,19 @@ class Method:
             "kv_balance": ("norm", "output"),
             "calib_inputs": ("source", "converted"),
             "shrink_target": ("diag", "identity"),
+            "latent_basis": LATENT_BASES,
+            "rope_key_balance": ("none", "energy"),
+            "refine_cache": ("none", *SIMULATED_CACHE_TYPES),
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise UserError(f"method setting {key}={getattr(self, key)!r} must be one of {allowed}")
         if self.kv_balance == "output" and self.latent_weighting != "attention":
             raise UserError("kv_balance=output needs latent_weighting=attention")
+        if self.refine_value_solve < 0:
+            raise UserError(f"refine_value_solve={self.refine_value_solve} must be >= 0")
+        if self.refine_cache != "none" and not self.refines:
+            raise UserError(f"refine_cache={self.refine_cache} needs refinement (refine_steps or refine_value_solve > 0)")
         if self.refine_anchor < 0:
             raise UserError(f"refine_anchor={self.refine_anchor} must be >= 0")
         if self.refine_noise < 0:
@@ -99,8 +120,23 @@ class Method:
             raise UserError("refine_steps/refine_queries must be >= 0; rope_pool, refine_batch and "
                             "refine_windows >= 1")
 
+    @property
+    def refines(self) -> bool:
+        """Does the conversion fit each layer to the source layer's output (Adam steps or the value solve)?"""
+        return bool(self.refine_steps or self.refine_value_solve)
+
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+# What a setting added later was before it existed: records (conversion.json, benchmark rows) that predate it were
+# made with this value.
+BEFORE_SETTING = {"latent_basis": "pca", "rope_key_balance": "none", "refine_cache": "none", "refine_value_solve": 0}
+
+
+def recorded_method(record: dict) -> dict:
+    """A recorded method dict completed with the settings it predates (their values then)."""
+    return {**BEFORE_SETTING, **record}
 
 
 PRESETS = {

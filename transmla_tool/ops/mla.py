@@ -94,11 +94,14 @@ def gqa_attention(x, w: GQAWeights, cos, sin, scale: float | None = None):
     return _linear(out.transpose(1, 2).reshape(bsz, length, heads * dim), w.o, w.o_bias)
 
 
-def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | None = None):
+def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | None = None, cache_store=None):
     """Converted attention on x (B, L, d); cos/sin (L, dr) or (B, L, dr) of the target rotary embedding.
 
     query_positions: optional sorted (P,) positions; only those queries are computed (against every
-    key they may see), which makes layer refinement much cheaper. Returns (B, L or P, d).
+    key they may see), which makes layer refinement much cheaper. cache_store: optional map applied to
+    each token's cached row [latent | rotated rotary key] (B, L, r + dr), e.g. a quantized cache's
+    store-and-read-back (ops/kv_quant.py); keys and values are read from what it returns, as an engine
+    that caches that row (llama.cpp's deepseek2) reads them. Returns (B, L or P, d).
     """
     bsz, length, _ = x.shape
     heads, dn, dr, dv, r = w.num_heads, w.nope_dim, w.rope_dim, w.v_dim, w.latent_dim
@@ -108,8 +111,6 @@ def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | No
     q_nope, q_rope = q.split([dn, dr], dim=-1)
     ckv = _linear(x, w.kv_a, w.kv_a_bias)  # (B, L, r + dr)
     latent, k_rope = ckv.split([r, dr], dim=-1)
-    kv = F.linear(latent, w.kv_b.to(x.dtype)).view(bsz, length, heads, dn + dv).transpose(1, 2)
-    k_nope, v = kv.split([dn, dv], dim=-1)  # (B, H, L, dn), (B, H, L, dv)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if cos.dim() == 3:  # per-batch tables: broadcast over heads
         cos, sin = cos[:, None], sin[:, None]
@@ -120,7 +121,13 @@ def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | No
         q_rope = apply_interleaved(q_rope, cos[..., query_positions, :], sin[..., query_positions, :])
         mask = torch.arange(length, device=x.device)[None, :] <= query_positions[:, None]  # (P, L)
         causal = False
-    k_rope = apply_interleaved(k_rope[:, None], cos, sin).expand(bsz, heads, length, dr)
+    k_rope = apply_interleaved(k_rope[:, None], cos, sin)  # (B, 1, L, dr)
+    if cache_store is not None:
+        latent, k_rope = cache_store(torch.cat([latent, k_rope[:, 0]], dim=-1)).split([r, dr], dim=-1)
+        k_rope = k_rope[:, None]
+    k_rope = k_rope.expand(bsz, heads, length, dr)
+    kv = F.linear(latent, w.kv_b.to(x.dtype)).view(bsz, length, heads, dn + dv).transpose(1, 2)
+    k_nope, v = kv.split([dn, dv], dim=-1)  # (B, H, L, dn), (B, H, L, dv)
     query = torch.cat([q_nope, q_rope], dim=-1)
     key = torch.cat([k_nope, k_rope], dim=-1)
     out = F.scaled_dot_product_attention(query, key, v, attn_mask=mask, is_causal=causal, scale=w.softmax_scale)

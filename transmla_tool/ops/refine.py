@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .mla import MLAWeights, mla_attention
+from .value_solve import solve_value_path, value_statistics
 
 
 @dataclass
@@ -32,11 +33,11 @@ def _relative_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(mla: MLAWeights, inputs, targets, cos, sin, batch: int) -> float:
+def evaluate(mla: MLAWeights, inputs, targets, cos, sin, batch: int, cache_store=None) -> float:
     num = den = 0.0
     for start in range(0, inputs.shape[0], batch):
         x, t = inputs[start : start + batch], targets[start : start + batch]
-        num += float((mla_attention(x, mla, cos, sin) - t).pow(2).sum())
+        num += float((mla_attention(x, mla, cos, sin, cache_store=cache_store) - t).pow(2).sum())
         den += float(t.pow(2).sum())
     return num / max(den, 1e-30)
 
@@ -44,7 +45,9 @@ def evaluate(mla: MLAWeights, inputs, targets, cos, sin, batch: int) -> float:
 def refine(mla: MLAWeights, inputs: torch.Tensor, targets: torch.Tensor, cos, sin, *, steps: int,
            lr: float = 1e-3, batch: int = 8, queries: int = 0, holdout: int = 0,
            seed: int = 0, anchor: float = 0.0, noise: float = 0.0,
-           teacher: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[MLAWeights, RefineReport]:
+           teacher: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           cache_store: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           value_solve: int = 0) -> tuple[MLAWeights, RefineReport]:
     """Fit `mla` (fp32 on the inputs' device) so that mla_attention(inputs) ~= targets.
 
     inputs/targets: (N, L, d). Each step uses `batch` random windows and, when `queries` > 0, only
@@ -57,6 +60,13 @@ def refine(mla: MLAWeights, inputs: torch.Tensor, targets: torch.Tensor, cos, si
     window gets Gaussian noise of u x noise x that channel's RMS (u uniform in [0, 1) per window) and
     its target is teacher(noisy window). Inputs then cover directions the calibration text rarely
     visits, the refinement-side counterpart of diagonal moment shrinkage (covariance + noise^2 u^2 diag).
+    `cache_store` (see mla_attention) fits the layer as it runs over a quantized cache: the loss, the
+    reported losses and the never-worse check all read keys and values through it (its gradient is the
+    straight-through one of ops/kv_quant.straight_through).
+    `value_solve` > 0: after the Adam steps (or alone with steps=0), o_proj and the value rows of kv_b are
+    refitted in closed form for the attention weights the fit ended with (ops/value_solve.py, that many ALS
+    rounds) on the training windows. (Solving them before the Adam steps too was measured worse: the steps
+    then settle the scores around a value path fitted to the closed form's scores.)
     """
     if noise > 0 and teacher is None:
         raise ValueError("refine(noise > 0) needs the source attention block as teacher")
@@ -64,9 +74,22 @@ def refine(mla: MLAWeights, inputs: torch.Tensor, targets: torch.Tensor, cos, si
     train_x, train_t = inputs[: inputs.shape[0] - holdout], targets[: targets.shape[0] - holdout]
     eval_x, eval_t = (inputs[-holdout:], targets[-holdout:]) if holdout else (train_x, train_t)
     mla = mla.to(torch.float32, inputs.device)
-    before = evaluate(mla, eval_x, eval_t, cos, sin, batch)
-    if steps <= 0:
+    before = evaluate(mla, eval_x, eval_t, cos, sin, batch, cache_store)
+
+    def solve(weights):
+        if not value_solve:
+            return weights
+        stats = value_statistics(weights, train_x, train_t, cos, sin, batch, cache_store)
+        return solve_value_path(weights, *stats[:3], iterations=value_solve)[0]
+
+    if steps <= 0 and not value_solve:
         return mla, RefineReport(before, before, 0, time.time() - start)
+    start_mla = mla
+    if steps <= 0:
+        mla = solve(mla)
+        after = evaluate(mla, eval_x, eval_t, cos, sin, batch, cache_store)
+        return (mla, RefineReport(before, after, 0, time.time() - start)) if after < before else \
+            (start_mla, RefineReport(before, before, 0, time.time() - start))
 
     names = [f.name for f in fields(mla) if isinstance(getattr(mla, f.name), torch.Tensor)]
     params = {n: getattr(mla, n).detach().clone().requires_grad_(True) for n in names}
@@ -94,17 +117,17 @@ def refine(mla: MLAWeights, inputs: torch.Tensor, targets: torch.Tensor, cos, si
                 target = teacher(x)
         if 0 < queries < length:
             pos = torch.randperm(length, generator=gen)[:queries].sort().values.to(inputs.device)
-            loss = _relative_mse(mla_attention(x, current, cos, sin, pos), target[:, pos])
+            loss = _relative_mse(mla_attention(x, current, cos, sin, pos, cache_store), target[:, pos])
         else:
-            loss = _relative_mse(mla_attention(x, current, cos, sin), target)
+            loss = _relative_mse(mla_attention(x, current, cos, sin, cache_store=cache_store), target)
         if anchor > 0:
             loss = loss + anchor * sum((params[n] - start_weights[n]).pow(2).sum() / start_norms[n]
                                        for n in names) / len(names)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-    refined = replace(mla, **{k: v.detach() for k, v in params.items()})
-    after = evaluate(refined, eval_x, eval_t, cos, sin, batch)
+    refined = solve(replace(mla, **{k: v.detach() for k, v in params.items()}))
+    after = evaluate(refined, eval_x, eval_t, cos, sin, batch, cache_store)
     if after > before:  # never hand back something worse than the closed form
-        refined, after = mla, before
+        refined, after = start_mla, before
     return refined, RefineReport(before, after, steps, time.time() - start)

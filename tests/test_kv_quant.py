@@ -1,0 +1,177 @@
+"""Cache types (ops/kv_quant.py) and the exact changes of basis that make a latent quantize well (ops/basis.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_ops import _moment, _random_layer
+
+from transmla_tool.ops.basis import balance_rope_key, hadamard, latent_rotation, rope_pair_energy, rotate_latent
+from transmla_tool.ops.decouple import fold_pools, plan_rope
+from transmla_tool.ops.factorize import factorize
+from transmla_tool.ops.kv_quant import (
+    CACHE_TYPES,
+    SIMULATED_CACHE_TYPES,
+    bytes_per_token_per_layer,
+    cache_row_store,
+    quantize_dequantize,
+    straight_through,
+)
+from transmla_tool.ops.linalg import affine_moment
+from transmla_tool.ops.mla import mla_attention
+from transmla_tool.ops.rope import rotation_cos_sin
+
+
+@pytest.mark.parametrize("name", SIMULATED_CACHE_TYPES)
+def test_quantize_dequantize_matches_ggml_reference(name):
+    """Bit-equal to gguf-py's numpy port of ggml's reference quantizers (an implementation we did not write),
+    on values with outliers and on a block of zeros."""
+    import gguf
+    from gguf import quants
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 128, generator=gen) * torch.rand(16, 1, generator=gen) * 5
+    x[3, 5] = 40.0  # an outlier that sets its block's scale
+    x[4, :32] = 0.0
+    qtype = gguf.GGMLQuantizationType[name.upper()]
+    reference = quants.dequantize(quants.quantize(x.numpy(), qtype), qtype)
+    ours = quantize_dequantize(x, name).numpy()
+    assert np.array_equal(ours, reference.astype(np.float32))
+    if name != "f16":
+        assert not np.array_equal(ours, x.numpy())  # it does lose something
+
+
+def test_bytes_per_token_per_layer():
+    """The bytes llama.cpp allocates: SmolLM2's 3 KV heads x 64 at f16 = 768, q4_0 = 216; a 128 + 64 latent
+    at q8_0 (K only: V is a view of the latent) = 204."""
+    assert bytes_per_token_per_layer(192, 192, "f16") == 768
+    assert bytes_per_token_per_layer(192, 192, "q4_0") == 216
+    assert bytes_per_token_per_layer(192, 192, "q8_0", "q4_0") == 204 + 108
+    assert bytes_per_token_per_layer(192, 0, "q8_0") == 204
+    assert {n: t.bytes_per_block for n, t in CACHE_TYPES.items()} == {
+        "f32": 128, "f16": 64, "bf16": 64, "q8_0": 34, "q5_1": 24, "q5_0": 22, "q4_1": 20, "q4_0": 18, "iq4_nl": 18}
+
+
+def test_straight_through_gradient_is_identity():
+    x = torch.randn(2, 64, requires_grad=True)
+    quant = straight_through("q4_0")
+    y = quant(x)
+    assert torch.equal(y.detach(), quantize_dequantize(x.detach(), "q4_0"))
+    y.pow(2).sum().backward()
+    assert torch.allclose(x.grad, 2 * y.detach())
+    assert straight_through(None) is None and straight_through("f32") is None
+
+
+def test_cache_row_store_pads_like_the_engine():
+    """With the latent padded (--pad-latent-to), blocks fall on the padded row: quantizing [latent | 0 | rope]
+    and dropping the zeros, not the unpadded row."""
+    gen = torch.Generator().manual_seed(1)
+    row = torch.randn(3, 48 + 64, generator=gen)
+    store = cache_row_store("q4_0", 48, 64)
+    padded = torch.cat([row[:, :48], torch.zeros(3, 16), row[:, 48:]], -1)
+    expected = quantize_dequantize(padded, "q4_0")
+    assert torch.equal(store(row), torch.cat([expected[:, :48], expected[:, 64:]], -1))
+    assert cache_row_store(None, 48) is None
+
+
+@pytest.mark.parametrize("size", [8, 32, 56, 96, 128])
+@pytest.mark.parametrize("kind", ["hadamard", "random"])
+def test_latent_rotation_is_orthogonal_and_spreads(size, kind):
+    rot = latent_rotation(size, kind, seed=3)
+    assert torch.allclose(rot @ rot.T, torch.eye(size, dtype=torch.float64), atol=1e-12)
+    # PCA order: all the energy on channel 0; after the rotation no channel holds more than a few times its share
+    energy = rot[:, 0] ** 2
+    assert energy.max() <= 12.0 / size
+    if kind == "hadamard" and size & (size - 1) == 0:
+        assert torch.allclose(energy, torch.full_like(energy, 1.0 / size))  # one Hadamard block: perfectly even
+    assert latent_rotation(size, "pca") is None
+    assert torch.equal(rot, latent_rotation(size, kind, seed=3))  # deterministic
+
+
+def test_hadamard_rejects_other_orders():
+    assert torch.allclose(hadamard(4) @ hadamard(4).T, torch.eye(4, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        hadamard(12)
+
+
+def _converted(bias=False, latent=16, rope=8):
+    layer = _random_layer(heads=4, kv_heads=2, dim=16, hidden=48, bias=bias)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 40, 48, generator=gen, dtype=torch.float64) * torch.linspace(0.2, 3, 48, dtype=torch.float64)
+    inv = 1.0 / 10000 ** (torch.arange(0, rope, 2, dtype=torch.float64) / rope)
+    cos, sin = rotation_cos_sin(inv, torch.arange(40))
+    plan = plan_rope(affine_moment(layer.k, layer.k_bias, _moment(x)), fold_pools(16, rope), 2, 16)
+    mla, _ = factorize(layer, _moment(x), plan, rope_dim=rope, latent_dim=latent)
+    return mla, x, cos, sin
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_changes_of_basis_are_exact(bias):
+    """A rotated latent and a balanced rotary key compute the same attention (fp64), and do change the
+    cached row (otherwise they could not change how it quantizes)."""
+    from dataclasses import replace
+
+    mla, x, cos, sin = _converted(bias)
+    # a loud first rotary pair (keys x 4, its queries / 4: the same layer) for the balance to even out
+    r, dn, dr = mla.latent_dim, mla.nope_dim, mla.rope_dim
+    key_scale = torch.ones(r + dr, dtype=torch.float64)
+    key_scale[r:r + 2] = 4.0
+    q_scale = torch.ones(dn + dr, dtype=torch.float64)
+    q_scale[dn:dn + 2] = 0.25
+    q_scale = q_scale.repeat(mla.num_heads)
+    mla = replace(mla, kv_a=mla.kv_a * key_scale[:, None], q=mla.q * q_scale[:, None],
+                  kv_a_bias=None if mla.kv_a_bias is None else mla.kv_a_bias * key_scale,
+                  q_bias=None if mla.q_bias is None else mla.q_bias * q_scale)
+    reference = mla_attention(x, mla, cos, sin)
+    rotated = rotate_latent(mla, latent_rotation(mla.latent_dim, "hadamard", seed=1))
+    balanced = balance_rope_key(rotated, _moment(x))
+    for changed in (rotated, balanced):
+        assert torch.allclose(mla_attention(x, changed, cos, sin), reference, atol=1e-10)
+    assert not torch.allclose(rotated.kv_a[:r], mla.kv_a[:r])
+    unbalanced = rope_pair_energy(mla, _moment(x))
+    assert unbalanced[0] > 4 * unbalanced[1:].max()
+    energy = rope_pair_energy(balanced, _moment(x))
+    assert torch.allclose(energy, energy.mean().expand_as(energy), rtol=1e-9)
+
+
+def test_hadamard_latent_quantizes_better_than_pca_order():
+    """The reason for the rotation: on a q4_0 cache, the PCA-ordered latent loses more of the layer's output
+    than the same layer in a Hadamard basis."""
+    mla, x, cos, sin = _converted(latent=48, rope=16)  # row of 64: two q4_0 blocks
+    mla, x = mla.to(torch.float32), x.float()
+    cos, sin = cos.float(), sin.float()
+    reference = mla_attention(x, mla, cos, sin)
+
+    def error(w):
+        out = mla_attention(x, w, cos, sin, cache_store=cache_row_store("q4_0", w.latent_dim))
+        return float((out - reference).pow(2).mean() / reference.pow(2).mean())
+
+    pca, rotated = error(mla), error(rotate_latent(mla, latent_rotation(48, "hadamard", seed=0)))
+    print(f"q4_0 relative output error: pca order {pca:.3e}, hadamard {rotated:.3e}")
+    assert rotated < 0.7 * pca
+
+
+def test_quantization_aware_refinement_beats_plain_refinement_on_that_cache():
+    """refine(cache_store=q4_0) ends with a lower loss through a q4_0 cache than the plain fit read through
+    the same cache."""
+    from transmla_tool.ops.mla import gqa_attention
+    from transmla_tool.ops.refine import evaluate, refine
+
+    torch.manual_seed(0)
+    layer = _random_layer(heads=4, kv_heads=2, dim=16, hidden=48)
+    x = torch.randn(8, 24, 48, dtype=torch.float64)
+    # rope_dim = head_dim: the target's rotary slots turn at the source's frequencies, one each
+    inv = 1.0 / 10000 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    cos, sin = rotation_cos_sin(inv, torch.arange(24))
+    plan = plan_rope(affine_moment(layer.k, layer.k_bias, _moment(x)), fold_pools(16, 16), 2, 16)
+    start, _ = factorize(layer, _moment(x), plan, rope_dim=16, latent_dim=16)
+    target = gqa_attention(x, layer, cos, sin).float()  # the teacher: the source layer
+    cos, sin = cos.float(), sin.float()
+    store = cache_row_store("q4_0", 16)
+    plain, _ = refine(start, x.float(), target, cos, sin, steps=60, lr=1e-2, batch=8)
+    aware, report = refine(start, x.float(), target, cos, sin, steps=60, lr=1e-2, batch=8, cache_store=store)
+    plain_q = evaluate(plain, x.float(), target, cos, sin, 8, store)
+    assert report.loss_after == pytest.approx(evaluate(aware, x.float(), target, cos, sin, 8, store), rel=1e-5)
+    print(f"loss through a q4_0 cache: plain fit {plain_q:.4f}, quantization-aware {report.loss_after:.4f}")
+    assert report.loss_after < plain_q

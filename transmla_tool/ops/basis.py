@@ -1,0 +1,96 @@
+"""Exact changes of basis of a converted layer that only change how its cache quantizes.
+
+The model's function is unchanged by each of them (in the natural form, hence in every stock form):
+- the latent basis: any orthogonal R acts as latent -> R latent with kv_b -> kv_b R^T. The linearized
+  kv_a_layernorm has one weight for every channel, so it commutes with R. The closed form leaves the
+  latent in PCA order, which piles the energy into the first channels; a 32-value block quantizer
+  (q4_0, q8_0) then scales each block to its loudest channel and loses the quiet ones. A (randomized)
+  Hadamard rotation spreads every token's energy evenly over the channels.
+- the rotary key: RoPE rotates each pair (2j, 2j+1) in its own plane, so nothing may mix pairs, but a
+  pair may be scaled by s_j with the queries' matching pair scaled by 1 / s_j (scores unchanged).
+  Equalizing the pairs' energy keeps a loud low frequency from setting the scale of its block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from .linalg import affine_moment
+from .mla import MLAWeights
+
+LATENT_BASES = ("pca", "hadamard", "random")
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of order n (a power of two), orthonormal, fp64."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two order, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def latent_rotation(size: int, kind: str, seed: int = 0) -> torch.Tensor | None:
+    """An orthogonal (size, size) fp64 matrix R (new latent = R old latent), or None for "pca".
+
+    hadamard: random signs, then Hadamard blocks of the largest power of two dividing `size`, after
+    dealing the PCA channels round-robin over the blocks (every block gets loud and quiet channels);
+    for a power-of-two size this is one randomized Hadamard transform. random: a seeded Haar rotation.
+    """
+    if kind not in LATENT_BASES:
+        raise ValueError(f"latent basis must be one of {LATENT_BASES}, got {kind!r}")
+    if kind == "pca":
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        q, r = torch.linalg.qr(torch.randn(size, size, generator=gen, dtype=torch.float64))
+        return q * torch.sign(torch.diagonal(r))  # sign fix: Haar-distributed and deterministic
+    block = size & -size  # largest power of two dividing size
+    blocks = size // block
+    signs = torch.randint(0, 2, (size,), generator=gen).to(torch.float64) * 2 - 1
+    deal = torch.arange(size).view(block, blocks).T.reshape(-1)  # block b holds channels b, b + blocks, ...
+    rotation = torch.block_diag(*[hadamard(block)] * blocks)  # (size, size)
+    return rotation[:, torch.argsort(deal)] * signs  # R = H P S: sign flip, deal out, rotate each block
+
+
+def rotate_latent(w: MLAWeights, rotation: torch.Tensor | None) -> MLAWeights:
+    """The same layer with its latent expressed in another orthonormal basis (exact)."""
+    if rotation is None:
+        return w
+    r = w.latent_dim
+    rot = rotation.to(w.kv_a.dtype).to(w.kv_a.device)
+    kv_a = torch.cat([rot @ w.kv_a[:r], w.kv_a[r:]])
+    bias = w.kv_a_bias
+    if bias is not None:
+        bias = torch.cat([rot @ bias[:r], bias[r:]])
+    return replace(w, kv_a=kv_a, kv_a_bias=bias, kv_b=w.kv_b @ rot.T)
+
+
+def rope_pair_energy(w: MLAWeights, x_moment: torch.Tensor) -> torch.Tensor:
+    """(dr/2,) mean square of each rotary-key pair over the inputs with augmented moment x_moment."""
+    r = w.latent_dim
+    bias = None if w.kv_a_bias is None else w.kv_a_bias[r:]
+    moment = affine_moment(w.kv_a[r:].double(), None if bias is None else bias.double(), x_moment.double())
+    diag = moment.diagonal()
+    return diag[0::2] + diag[1::2]  # RoPE keeps each pair's energy: it is the same before and after rotation
+
+
+def balance_rope_key(w: MLAWeights, x_moment: torch.Tensor) -> MLAWeights:
+    """Scale each rotary-key pair to the same mean square (geometric mean of the scales 1), queries inverse."""
+    energy = rope_pair_energy(w, x_moment).clamp_min(1e-30)
+    scale = energy.rsqrt()
+    scale = scale / scale.log().mean().exp()  # (dr/2,)
+    per_dim = scale.repeat_interleave(2).to(w.kv_a.dtype).to(w.kv_a.device)  # (dr,)
+    r, dn = w.latent_dim, w.nope_dim
+    kv_a = torch.cat([w.kv_a[:r], w.kv_a[r:] * per_dim[:, None]])
+    bias = w.kv_a_bias
+    if bias is not None:
+        bias = torch.cat([bias[:r], bias[r:] * per_dim])
+    q_scale = torch.cat([torch.ones(dn, dtype=per_dim.dtype, device=per_dim.device), 1.0 / per_dim])
+    q_scale = q_scale.repeat(w.num_heads)  # (H*(dn+dr),)
+    q_bias = None if w.q_bias is None else w.q_bias * q_scale
+    return replace(w, kv_a=kv_a, kv_a_bias=bias, q=w.q * q_scale[:, None], q_bias=q_bias)
