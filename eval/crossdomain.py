@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import shutil
 import sys
 import time
@@ -36,10 +35,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quality import _append, _read, check_resumable, made_with, parse_config, save_ratio_plot  # noqa: E402
 
 from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
-from transmla_tool.convert import ConvertSettings, convert_many, resolve_device  # noqa: E402
+from transmla_tool.convert import ConvertSettings, convert_many  # noqa: E402
 from transmla_tool.data import token_windows  # noqa: E402
+from transmla_tool.devices import resolve_device  # noqa: E402
+from transmla_tool.evaluate.models import load_model, load_tokenizer  # noqa: E402
 from transmla_tool.evaluate.perplexity import perplexity  # noqa: E402
-from transmla_tool.evaluate.run import load_model, load_tokenizer  # noqa: E402
 from transmla_tool.methods import resolve_method  # noqa: E402
 
 

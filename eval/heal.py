@@ -35,10 +35,10 @@ from transmla_tool.assets import DOMAINS, domain_splits, lee_corpus, smollm2_ggu
 from transmla_tool.convert import ConvertSettings, convert
 from transmla_tool.data import token_windows
 from transmla_tool.errors import UserError
+from transmla_tool.evaluate.models import load_model, load_tokenizer
 from transmla_tool.evaluate.perplexity import perplexity
-from transmla_tool.evaluate.run import load_model, load_tokenizer
 from transmla_tool.heal.train import HealSettings, heal
-from transmla_tool.methods import resolve_method
+from transmla_tool.methods import recorded_method, resolve_method
 
 
 def main() -> None:
@@ -83,8 +83,14 @@ def main() -> None:
         heldout = splits[left_out][1]
     converted = out / f"converted-{args.latent_dim + 64}"
     record = out / "conversion.json"
-    wanted = {"latent_dim": args.latent_dim, "calib_samples": args.calib_samples, "overrides": args.overrides}
-    if record.exists() and json.loads(record.read_text()) != wanted:
+    # the resolved method too: `default` changes between releases, and a rerun must not reuse an older default's
+    # conversion under the same (empty) overrides
+    wanted = {"latent_dim": args.latent_dim, "calib_samples": args.calib_samples, "overrides": args.overrides,
+              "method": method.as_dict()}
+    recorded = json.loads(record.read_text()) if record.exists() else None
+    if recorded is not None and "method" in recorded:
+        recorded["method"] = recorded_method(recorded["method"])
+    if recorded is not None and recorded != wanted:
         raise SystemExit(f"{out} holds a conversion made with {record.read_text().strip()}, not {json.dumps(wanted)}; "
                          "use another --output-dir")
     if not (converted / "config.json").exists():

@@ -29,9 +29,9 @@ from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
 from transmla_tool.convert import ConvertSettings, convert_many
 from transmla_tool.data import token_windows
 from transmla_tool.errors import UserError
+from transmla_tool.evaluate.models import load_model, load_tokenizer
 from transmla_tool.evaluate.perplexity import perplexity
-from transmla_tool.evaluate.run import load_model, load_tokenizer
-from transmla_tool.methods import resolve_method
+from transmla_tool.methods import recorded_method, resolve_method
 
 DEFAULT_CONFIGS = [
     # the published recipe, at each freqfold (pool) setting; the best is the fair baseline
@@ -145,7 +145,8 @@ def check_resumable(rows: list[dict], results: Path, where: dict, made: dict) ->
     another method or calibration size (`default` before the default changed, or before rows recorded it)."""
     for row in rows:
         if all(row.get(k) == v for k, v in where.items()):
-            differs = [k for k, v in made.items() if row.get(k) != v]
+            differs = [k for k, v in made.items()
+                       if (recorded_method(row[k]) if k == "method" and k in row else row.get(k)) != v]
             if differs:
                 label = ", ".join(f"{k} {v}" for k, v in where.items())
                 raise SystemExit(f"{results} holds rows ({label}) made with another {' and '.join(differs)} "

@@ -352,3 +352,19 @@ def test_sglang_size_limits():
     assert "latent 576" in check_target(config(576, 64), "sglang")[0]
     assert check_target(config(256, 128), "sglang")          # rope part over 64
     assert check_target(config(100, 64), "sglang")           # not a multiple of 8
+
+
+def test_convert_prints_time_per_stage(make_model, text_file, tmp_path, capsys):
+    """The CLI ends with the stages' wall time, largest first, refinement included when the method refines."""
+    from transmla_tool.cli import main
+
+    src = make_model("llama", kv_heads=2)
+    assert main(["convert", "--model", str(src), "--latent-dim", "12", "--rope-dim", "8", "--output",
+                 str(tmp_path / "out"), "--calib-data", str(text_file), "--calib-samples", "4", "--calib-seq-len", "32",
+                 "--device", "cpu", "--target", "transformers", "--set", "refine_steps=3", "--no-progress"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("time per stage: "))
+    names = [part.rsplit(" ", 3)[0] for part in line.removeprefix("time per stage: ").split(", ")]
+    summary = json.loads((tmp_path / "out" / "conversion.json").read_text())
+    assert sorted(names) == sorted(summary["stages"]) and {"statistics", "refine", "factorize", "verify"} <= set(names)
+    seconds = [summary["stages"][name]["seconds"] for name in names]
+    assert seconds == sorted(seconds, reverse=True)

@@ -297,6 +297,85 @@ def test_eval_in_llamacpp(tmp_path):
     assert "re-typed by llama-quantize" in (tmp_path / "report-f32" / "report.md").read_text()
 
 
+def test_eval_in_llamacpp_cache_types(tmp_path):
+    """`eval --engine llamacpp --cache-types`: both models under llama.cpp's cache types. The bytes it allocates
+    are the types' (SmolLM2: 2 x 192 values; the converted row 128 + 64, values a view of it), the latent takes a
+    q8_0 cache within 1% of its f16 cache, and what ops/kv_quant.py predicts for a q4_0 cache is what llama.cpp
+    does to the converted model (its perplexity through our simulated cache, scored as llama-perplexity scores)."""
+    from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
+    from transmla_tool.evaluate.run import EvalSettings, run_eval
+
+    _llamacpp_or_skip()
+    model_dir, gguf = smollm2_gguf()
+    calib, heldout = split_documents(lee_corpus(), tmp_path / "data")
+    out = tmp_path / "mla"
+    convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(out), latent_dim=128, rope_dim=64,
+                            calib_data=str(calib), calib_samples=8, calib_seq_len=256, dtype="float32", device="cpu",
+                            progress=False, method=PRESETS["closed-form"], target="llamacpp"))
+    report = run_eval(EvalSettings(original=model_dir, gguf_file=gguf, converted=str(out), data=str(heldout),
+                                   output_dir=str(tmp_path / "report"), engine="llamacpp", gguf_type="f32",
+                                   seq_len=512, max_tokens=4096, contexts=[512], new_tokens=2, device="cpu",
+                                   dtype="float32", progress=False, cache_types=["q8_0", "q4_0", "q8_0/q4_0"]))
+    rows = {(r["model"], r["cache"]): r for r in report["cache_types"]}
+    print({k: (round(v["bytes_per_token_per_layer"], 1), round(v["perplexity"], 3)) for k, v in rows.items()})
+    expected = {("original", "f16"): 768, ("original", "q8_0"): 408, ("original", "q4_0"): 216,
+                ("original", "q8_0/q4_0"): 312, ("converted", "q8_0"): 204, ("converted", "q4_0"): 108}
+    for key, size in expected.items():
+        assert rows[key]["bytes_per_token_per_layer"] == pytest.approx(size, abs=1.0), key
+    assert ("converted", "q8_0/q4_0") not in rows  # MLA in llama.cpp: one type for its one cached row
+    assert rows[("original", "f16")]["ratio"] == 1.0
+    q8, q4 = rows[("converted", "q8_0")]["perplexity"], rows[("converted", "q4_0")]["perplexity"]
+    f16 = report["perplexity"]["converted"]  # the default (f16) cache, flash attention off
+    assert abs(q8 / f16 - 1) < 0.01, (f16, q8)
+    assert q4 > q8  # q4_0 does cost something: the types reach the engine
+    assert "Perplexity per KV-cache byte" in (tmp_path / "report" / "report.md").read_text()
+    # ops/kv_quant.py's q4_0 row store, run in transformers' converted model, predicts llama.cpp's q4_0 number
+    from transmla_tool.data import token_windows
+    from transmla_tool.engines.llamacpp import reference_perplexity
+    from transmla_tool.ops.kv_quant import quantize_dequantize
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for layer in model.model.layers:  # the cached row [normed latent | rotated rope key] goes through q4_0
+        _store_through(layer.self_attn, lambda row: quantize_dequantize(row, "q4_0"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf)
+    windows = token_windows(str(heldout), tokenizer, 512, 8)
+    text = tokenizer.decode(windows.reshape(-1).tolist(), skip_special_tokens=True)
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+    chunks = report["perplexity"]["tokens"] // (512 - 1 - 512 // 2)
+    simulated = reference_perplexity(model, ids, 512, chunks)
+    print(f"converted with a q4_0 cache: llama.cpp {q4:.4f}, simulated in transformers {simulated:.4f}, f16 {f16:.4f}")
+    assert abs(simulated / q4 - 1) < 0.25 * abs(q4 / f16 - 1) + 0.003
+
+
+def _store_through(attention, store):
+    """Make a stock DeepseekV3Attention read its keys and values through `store` applied to the row an MLA engine
+    caches, [kv_a_layernorm(latent) | RoPE(rope key)] (a test double of a quantized cache, no cache object)."""
+    import types
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            apply_rotary_pos_emb_interleave,
+        )
+
+        bsz, length, _ = hidden_states.shape
+        heads, dn, dr, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        q = self.q_proj(hidden_states).view(bsz, length, heads, dn + dr).transpose(1, 2)
+        q_nope, q_rot = q.split([dn, dr], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(hidden_states).split([r, dr], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(bsz, 1, length, dr), *position_embeddings)
+        row = store(torch.cat([latent, k_rot[:, 0]], dim=-1))
+        latent, k_rot = row.split([r, dr], dim=-1)
+        kv = self.kv_b_proj(latent).view(bsz, length, heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([dn, self.v_head_dim], dim=-1)
+        key = torch.cat([k_nope, k_rot[:, None].expand(-1, heads, -1, -1)], dim=-1)
+        query = torch.cat([q_nope, q_rot], dim=-1)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, v, is_causal=True, scale=self.scaling)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, length, -1)), None
+
+    attention.forward = types.MethodType(forward, attention)
+
+
 def test_pre_tokenizer_names_are_llama_cpps():
     """export-gguf's list of pre-tokenizer names is the one the built llama.cpp's loader accepts."""
     import re

@@ -100,6 +100,16 @@ def test_crossdomain_refuses_to_resume_rows_made_otherwise(tmp_path):
     legacy = [{"calib": "news", "config": "default", "budget": 192, "domain": "news", "perplexity": 40.0}]
     with pytest.raises(SystemExit, match="before rows recorded it"):
         check(legacy, results, news, made)
+    # rows recorded before a method setting existed were made with its value of then (BEFORE_SETTING)
+    from transmla_tool.methods import BEFORE_SETTING, resolve_method
+
+    closed = resolve_method("closed-form")
+    older = {k: v for k, v in closed.as_dict().items() if k not in BEFORE_SETTING}
+    rows = [{"calib": "news", "config": "cf", "budget": 192, "domain": "docs", **made, "method": older}]
+    cf = {"calib": "news", "config": "cf"}
+    check(rows, results, cf, {**made, "method": closed.as_dict()})
+    with pytest.raises(SystemExit, match="method"):
+        check(rows, results, cf, {**made, "method": resolve_method("closed-form", ["latent_basis=hadamard"]).as_dict()})
 
 
 def _heal_script(*args):
@@ -125,6 +135,10 @@ def test_heal_benchmark_refuses_a_directory_converted_with_other_settings(tmp_pa
     assert "use another --output-dir" in run.stderr
     assert '"overrides": ["refine_steps=100"]' in run.stderr
     assert not (out / "converted-192").exists()
+    # a record of the same overrides but no resolved method predates the recorded method: `default` may have changed
+    (out / "conversion.json").write_text(json.dumps({"latent_dim": 128, "calib_samples": 128, "overrides": []}))
+    run = _heal_script("--output-dir", str(out), "--data", "mix-code")
+    assert run.returncode != 0 and "use another --output-dir" in run.stderr
 
 
 @pytest.mark.parametrize(("last", "sentence"), [(10.4, "within 5% of the original: 20 tokens."),

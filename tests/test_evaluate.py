@@ -10,7 +10,8 @@ import torch
 from transmla_tool.cli import main
 from transmla_tool.evaluate.cache import measure_context
 from transmla_tool.evaluate.local_task import build_cloze_task
-from transmla_tool.evaluate.run import EvalSettings, load_model, run_eval
+from transmla_tool.evaluate.models import load_model
+from transmla_tool.evaluate.run import EvalSettings, run_eval
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +132,9 @@ def test_eval_refuses_an_absorbed_timing_the_latent_path_did_not_make(converted_
     (["--max-tokens", "10"], "less than one window"),
 ])
 def test_eval_numbers_checked_before_loading(capsys, converted_pair, tmp_path, text_file, monkeypatch, flags, needle):
-    from transmla_tool.evaluate import run
+    from transmla_tool.evaluate.backends import transformers as backend
 
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("loaded a model before checking its flags"))
+    monkeypatch.setattr(backend, "load_model", lambda *a, **k: pytest.fail("loaded a model before checking its flags"))
     src, out = converted_pair
     code = main(["eval", "--original", str(src), "--converted", str(out), "--output-dir", str(tmp_path / "r"),
                  "--data", str(text_file), "--device", "cpu", *flags])
@@ -157,10 +158,10 @@ def test_eval_in_vllm_refuses_what_vllm_would_serve_as_another_model(make_model,
 
 
 def test_eval_in_vllm_checks_the_engine_before_any_work(converted_pair, text_file, tmp_path, monkeypatch, capsys):
-    from transmla_tool.evaluate import engine
+    from transmla_tool.evaluate.backends import vllm as backend
 
     monkeypatch.setenv("TRANSMLA_VLLM_PYTHON", str(tmp_path / "no-such-python"))
-    monkeypatch.setattr(engine, "_as_directory", lambda *a: pytest.fail("prepared a model before finding vLLM"))
+    monkeypatch.setattr(backend, "_as_directory", lambda *a: pytest.fail("prepared a model before finding vLLM"))
     src, out = converted_pair
     code = main(["eval", "--original", str(src), "--converted", str(out), "--output-dir", str(tmp_path / "r"),
                  "--data", str(text_file), "--engine", "vllm", "--seq-len", "64", "--max-tokens", "128"])
@@ -173,7 +174,7 @@ def test_eval_in_llamacpp_passes_the_export_run_flags(converted_pair, text_file,
 
     from transmla_tool import gguf_export
     from transmla_tool.engines import llamacpp
-    from transmla_tool.evaluate.engine import evaluate_in_llamacpp
+    from transmla_tool.evaluate.backends.llamacpp import evaluate_in_llamacpp
 
     src, out = converted_pair
     flags = ["--yarn-beta-fast", "24.5", "--yarn-beta-slow", "1.25"]
@@ -195,9 +196,9 @@ def test_eval_in_llamacpp_passes_the_export_run_flags(converted_pair, text_file,
 
 
 def engine_module():
-    from transmla_tool.evaluate import engine
+    from transmla_tool.evaluate.backends import llamacpp
 
-    return engine
+    return llamacpp
 
 
 def test_sweep_converts_as_convert_does(make_model, text_file, tmp_path):

@@ -14,12 +14,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .convert import ConvertSettings, convert_many, resolve_device
-from .engines import VLLM, sglang_size_ok
+from .convert import ConvertSettings, convert_many
 from .data import token_windows
+from .devices import resolve_device, resolve_eval_dtype
+from .engines import VLLM, sglang_size_ok
 from .errors import UserError
 from .evaluate.cache import cache_tensors_bytes, cached_values_per_token_per_layer, prefill
-from .evaluate.run import check_scoring, context_ids, load_model, load_tokenizer, resolve_eval_dtype
+from .evaluate.frontier import DEFAULT_ORIGINAL_TYPES, markdown_table, parse_cache_types, points_from_sweep, recommend
+from .evaluate.frontier import plot as plot_frontier
+from .evaluate.models import check_scoring, context_ids, load_model, load_tokenizer
 from .evaluate.perplexity import perplexity
 from .io.staging import check_target, make_parents, remove_empty
 from .methods import resolve_method
@@ -55,6 +58,11 @@ class SweepSettings:
     # is converted anyway and marked in the table
     target: str = "vllm"
     biases: str = "auto"
+    # "transformers" scores in transformers (a 16-bit cache); "llamacpp" in llama.cpp under each of `cache_types`
+    # (the original as its GGUF re-typed to F32, each latent exported f32): quality per cache byte
+    engine: str = "transformers"
+    cache_types: str = ""
+    max_cache_bytes: float | None = None  # recommend the best measured point at <= this many B/token/layer
     progress: bool = True
 
 
@@ -71,6 +79,7 @@ def run_sweep(settings: SweepSettings) -> dict:
     if len(set(settings.latent_dims)) != len(settings.latent_dims):
         raise UserError("--latent-dims has duplicates")
     check_scoring(settings.eval_batch_size, settings.seq_len, settings.max_tokens)
+    types = check_engine(settings)
     out = check_target(settings.output_dir, settings.overwrite)
     parents = make_parents(out)
     created = not out.exists()
@@ -89,7 +98,7 @@ def run_sweep(settings: SweepSettings) -> dict:
     )
     try:
         summaries = convert_many(convert_settings, outputs)
-        result = _evaluate(settings, outputs, summaries, start)
+        result = _evaluate(settings, outputs, summaries, start, types)
     except BaseException:
         # a failed sweep leaves nothing that a rerun would have to --overwrite
         shutil.rmtree(out if created else checkpoints, ignore_errors=True)
@@ -103,7 +112,25 @@ def run_sweep(settings: SweepSettings) -> dict:
     return result
 
 
-def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: float) -> dict:
+def check_engine(settings: SweepSettings) -> list[str] | None:
+    """--engine/--cache-types/--max-cache-bytes checked before any work; the cache types to measure, or None."""
+    if settings.engine not in ("transformers", "llamacpp"):
+        raise UserError(f"--engine must be transformers or llamacpp, got {settings.engine}")
+    if settings.max_cache_bytes is not None and settings.max_cache_bytes <= 0:
+        raise UserError(f"--max-cache-bytes must be > 0 bytes per token per layer, got {settings.max_cache_bytes}")
+    if settings.engine == "transformers":
+        if settings.cache_types:
+            raise UserError("--cache-types is measured in llama.cpp: add --engine llamacpp")
+        return None
+    if not settings.gguf_file:
+        raise UserError("--engine llamacpp reads the original as a GGUF: pass --model DIR --gguf-file FILE")
+    from .engines.llamacpp import llama_cpp_bin
+
+    llama_cpp_bin("llama-perplexity")  # `make engines` has run, or a one-line error with the fix
+    return parse_cache_types(settings.cache_types or DEFAULT_ORIGINAL_TYPES)
+
+
+def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: float, types=None) -> dict:
 
     device = resolve_device(settings.device)
     dtype = resolve_eval_dtype(settings.dtype, device)
@@ -120,6 +147,16 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
                       vllm_size_ok=r + settings.rope_dim in VLLM.mla_sizes,
                       sglang_size_ok=sglang_size_ok(r, settings.rope_dim))
         points.append(scored)
+    if types is not None:
+        import tempfile
+
+        from .evaluate.frontier import score_in_llamacpp
+
+        with tempfile.TemporaryDirectory() as tmp:
+            text = Path(tmp) / "windows.txt"
+            text.write_text(tokenizer.decode(windows.reshape(-1).tolist(), skip_special_tokens=True))
+            cache_types = score_in_llamacpp(settings.model, settings.gguf_file, outputs, text, settings.seq_len,
+                                            len(windows), types, types, tmp)
     result = {
         "original": original,
         "points": points,
@@ -129,6 +166,13 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
         "wall_time_s": round(time.time() - start, 1),
         "conversion": {"target": settings.target, "biases": settings.biases},
     }
+    if types is not None:
+        result["cache_types"] = cache_types
+        result["engine"] = "llama.cpp"
+    if settings.max_cache_bytes is not None:
+        best, advice = recommend(points_from_sweep(result), settings.max_cache_bytes)
+        result["recommendation"] = {"max_cache_bytes": settings.max_cache_bytes, "advice": advice,
+                                    "point": best.as_dict() if best else None}
     return result
 
 
@@ -170,10 +214,22 @@ def markdown(result: dict) -> str:
             f"{p['perplexity']:.3f} | {p['perplexity'] / orig['perplexity']:.3f} | "
             f"{'yes' if p.get('vllm_size_ok') else 'no'} | {'yes' if p.get('sglang_size_ok') else 'no'} |"
         )
+    if "cache_types" in result:
+        lines += ["", "## Quality per cache byte in llama.cpp (its cache types, flash attention on)", "",
+                  "Ratio: llama.cpp perplexity over the original's with an f16 cache on the same text (the original "
+                  "as its GGUF re-typed to F32, each latent exported f32).", ""]
+        original = result["cache_types"]["original"]["f16"]["bytes"]
+        lines += markdown_table(points_from_sweep(result), original)
+    if "recommendation" in result:
+        lines += ["", f"**Recommendation:** {result['recommendation']['advice']}."]
     return "\n".join(lines) + "\n"
 
 
 def plot(result: dict, path: Path) -> None:
+    if "cache_types" in result:
+        original = result["cache_types"]["original"]["f16"]["bytes"]
+        plot_frontier(points_from_sweep(result), original, path, "perplexity per KV-cache byte in llama.cpp")
+        return
     import matplotlib
 
     matplotlib.use("Agg")

@@ -153,3 +153,44 @@ def servability(config) -> dict:
         "notes": vllm_problems + llama_problems
         + [f"SGLang (read from its source, not run): {problem}" for problem in _sglang_problems(config, rope_type)],
     }
+
+
+ENGINE_TARGETS = ("vllm", "sglang", "llamacpp")  # targets that want bias-free output and Llama-3 scaling as YaRN
+
+
+def drops_biases(target: str, biases: str) -> bool:
+    """Does `convert --target T --biases B` write a bias-free output?"""
+    from ..errors import UserError
+
+    if biases not in ("auto", "keep", "drop"):
+        raise UserError(f"--biases must be auto, keep or drop, got {biases}")
+    return biases == "drop" or (biases == "auto" and target in ENGINE_TARGETS)
+
+
+def check_engines(configs: dict, target: str, rope_dim: int, *, refuse: bool = True, progress: bool = True) -> None:
+    """Say before converting which engines will refuse the outputs ({latent dim: config}); refuse them for an
+    engine target unless `refuse` is off (then each first problem is printed)."""
+    from ..errors import UserError
+
+    for latent_dim, config in configs.items():
+        problems = check_target(config, target)
+        if not problems:
+            continue
+        if not refuse:
+            if progress:
+                print(f"note (--target {target}, latent {latent_dim}): {problems[0]}")
+            continue
+        size = config.kv_lora_rank + config.qk_rope_head_dim
+        if target == "llamacpp":
+            raise UserError(f"--target llamacpp: {problems[0]}; pass --biases drop (or --target transformers)")
+        if target == "sglang":
+            raise UserError(f"--target sglang: {problems[0]}; choose --latent-dim <= {SGLANG_MAX_LATENT} and --rope-dim "
+                            f"<= {SGLANG_MAX_ROPE} (multiples of 8), --biases drop, or --target transformers")
+        if target == "vllm":
+            fix = (f"choose --latent-dim so latent + rope is one of {'/'.join(map(str, VLLM.mla_sizes))}, or "
+                   f"--pad-latent-to {min(s for s in VLLM.mla_sizes if s >= size) - rope_dim}"
+                   if size not in VLLM.mla_sizes and size <= max(VLLM.mla_sizes) else "")
+            raise UserError(f"--target vllm: {problems[0]}" + (f"; {fix}" if fix else "")
+                            + "; or pass --target transformers to convert anyway")
+        for problem in problems if progress else []:
+            print(f"note (vLLM {VLLM.version}, latent {config.kv_lora_rank}): {problem}")

@@ -55,6 +55,35 @@ def _run(cmd: list, timeout: int = 3600) -> str:
     return text
 
 
+# what llama.cpp's -ctk/-ctv accept (common/arg.cpp of the llama-cpp-python 0.3.36 sdist)
+LLAMA_CPP_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def split_types(entry: str) -> tuple[str, str]:
+    """A cache type entry, "q4_0" or "K/V" such as "q8_0/q4_0", as (K type, V type)."""
+    k, _, v = entry.partition("/")
+    return k, v or k
+
+
+def cache_flags(entry: str) -> list[str]:
+    """llama.cpp flags for a cache type: flash attention on (a quantized V cache needs it, and every type is
+    measured the same way)."""
+    k, v = split_types(entry)
+    return ["-fa", "on", "-ctk", k, "-ctv", v]
+
+
+def perplexity_per_cache_type(gguf, text_file, ctx: int, chunks: int, entries: list[str],
+                              flags: list | None = None) -> dict:
+    """{entry: {"perplexity", "bytes"}}: llama-perplexity under each cache type, and the bytes per token per
+    layer it allocated."""
+    out = {}
+    for entry in entries:
+        measured = perplexity(gguf, text_file, ctx, chunks, flags=[*(flags or []), *cache_flags(entry)])
+        out[entry] = {"perplexity": measured["perplexity"], "bytes": measured["kv_bytes_per_token_per_layer"],
+                      "chunks": measured["chunks"]}
+    return out
+
+
 def threads() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 

@@ -76,6 +76,13 @@ def markdown(report: dict) -> str:
             lines.append(f"| {ctx} | " + " | ".join(
                 f"{_fmt(steps[r]['gpu_kernel_ms_per_step'], 3)} / {_fmt(steps[r]['step_ms_median'], 3)}"
                 for r in runs) + " |")
+    if report.get("cache_types"):
+        lines += ["", "## Perplexity per KV-cache byte (llama.cpp cache types, flash attention on)", "",
+                  "| model | cache | bytes/token/layer | perplexity | ratio to original with f16 cache |",
+                  "|---|---|---|---|---|"]
+        for row in sorted(report["cache_types"], key=lambda r: -r["bytes_per_token_per_layer"]):
+            lines.append(f"| {row['model']} | {row['cache']} | {row['bytes_per_token_per_layer']:.0f} | "
+                         f"{row['perplexity']:.3f} | {row['ratio']:.3f} |")
     for note in report.get("notes", []):
         lines += ["", f"Note: {note}"]
     if "lm_eval" in report:

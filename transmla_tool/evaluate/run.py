@@ -6,20 +6,19 @@ are loaded one after the other so only one is in memory at a time.
 
 from __future__ import annotations
 
-import gc
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..data import token_windows
+from ..devices import resolve_device, resolve_eval_dtype
 from ..errors import UserError
-from .cache import cached_values_per_token_per_layer, measure_context
-from .lmeval import run_lm_eval
-from .perplexity import perplexity
+from .backends import BACKENDS, backend
+from .backends.transformers import ATTENTION_MODES
+from .models import check_scoring, load_tokenizer
 from .report import write_report
 
 
@@ -48,6 +47,9 @@ class EvalSettings:
     # f32 (float32 eval) or bf16; "f32"/"bf16"/"q8_0": the original re-typed with llama-quantize
     # --allow-requantize and the converted exported at that type, so decode speeds compare like with like
     gguf_type: str = "native"
+    # --engine llamacpp: also score both models under these KV-cache types (llama.cpp's -ctk/-ctv names, K/V for
+    # mixed; the converted model takes one type) and report perplexity against the cache bytes allocated
+    cache_types: list[str] = field(default_factory=list)
     tasks: list[str] = field(default_factory=list)
     limit: float | None = None
     num_fewshot: int | None = None
@@ -58,139 +60,9 @@ class EvalSettings:
     progress: bool = True
 
 
-def check_scoring(batch_size: int, seq_len: int, max_tokens: int) -> None:
-    """The perplexity protocol's numbers, checked before any model is loaded."""
-    if batch_size < 1:
-        raise UserError(f"--eval-batch-size must be >= 1, got {batch_size}")
-    if seq_len < 2:
-        raise UserError(f"--seq-len must be >= 2 (a window scores its tokens after the first), got {seq_len}")
-    if max_tokens < seq_len:
-        raise UserError(f"--max-tokens {max_tokens} is less than one window of --seq-len {seq_len}")
-
-
-def resolve_eval_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    if name not in table:
-        raise UserError(f"--dtype must be auto, bfloat16 or float32 for eval, got {name}")
-    return table[name]
-
-
-def load_model(path: str, gguf_file: str | None, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"dtype": dtype}
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    if device.type == "cuda":
-        kwargs["device_map"] = str(device)  # accelerate places the weights directly on the GPU
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except OSError as exc:
-        raise UserError(f"cannot load model {path}: {exc}") from exc
-    return model.to(device).eval()
-
-
-def load_tokenizer(path: str, gguf_file: str | None):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
-    except OSError as exc:
-        raise UserError(f"cannot load the tokenizer of {path}: {exc}") from exc
-
-
-def context_ids(windows: torch.Tensor, length: int) -> torch.Tensor:
-    """(1, length) real-text ids for a long context, cycling the evaluation windows as needed."""
-    flat = windows.reshape(-1)
-    reps = -(-length // flat.numel())
-    return flat.repeat(reps)[:length][None]
-
-
-ATTENTION_MODES = ("stock", "absorbed", "both")
-
-
-def decode_modes(config, attention: str) -> dict:
-    """How each model decodes in the speed measurement: {report key suffix: switch(model)}."""
-    from ..runtime.absorbed import absorb
-
-    if config.model_type != "deepseek_v3":
-        return {"": lambda m: None}
-    modes = {}
-    if attention in ("stock", "both"):
-        modes[""] = restore_stock
-    if attention in ("absorbed", "both"):
-        modes["_absorbed"] = absorb
-    return modes
-
-
-def _absorbed(model) -> bool:
-    from ..runtime.absorbed import is_absorbed
-
-    return is_absorbed(model)
-
-
-def check_latent_path(model, decode_steps: int) -> None:
-    """The absorbed timing must come from the absorbed computation: refuse to report it when the decode
-    steps went through transformers' stock attention instead (a silent fallback times the stock path)."""
-    from ..runtime.absorbed import latent_steps
-
-    expected = decode_steps * model.config.num_hidden_layers
-    ran = latent_steps(model)
-    if ran < expected:
-        import transformers
-
-        raise RuntimeError(
-            f"the absorbed runtime took the latent path in {ran} of {expected} layer steps on transformers "
-            f"{transformers.__version__}: its decode timing would be the stock path's; run with --attention stock "
-            "and report this as a bug")
-
-
-def restore_stock(model) -> None:
-    if model.config.model_type == "deepseek_v3" and _absorbed(model):
-        from ..runtime.absorbed import restore
-
-        restore(model)
-
-
-def evaluate_model(name: str, path: str, gguf_file, settings: EvalSettings, windows, tokenizer, dtype,
-                   device) -> dict:
-    model = load_model(path, gguf_file, dtype, device)
-    config = model.config
-    result = {
-        "model": path if not gguf_file else f"{path}/{gguf_file}",
-        "model_type": config.model_type,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "values_per_token_per_layer": cached_values_per_token_per_layer(config),
-        "num_layers": config.num_hidden_layers,
-    }
-    result["perplexity"] = perplexity(model, windows, settings.batch_size, settings.progress,
-                                      desc=f"perplexity ({name})")
-    result["contexts"] = {}
-    modes = decode_modes(config, settings.attention)
-    for length in tqdm(settings.contexts, desc=f"cache + decode ({name})", disable=not settings.progress):
-        result["contexts"][str(length)] = measure_context(model, context_ids(windows, length), settings.new_tokens,
-                                                          settings.prefill_chunk, settings.warmup_tokens, modes)
-        if "_absorbed" in modes:
-            check_latent_path(model, settings.new_tokens + settings.warmup_tokens)
-    restore_stock(model)
-    if settings.tasks:
-        result["lm_eval"] = run_lm_eval(model, tokenizer, settings.tasks, limit=settings.limit,
-                                        num_fewshot=settings.num_fewshot, include_path=settings.include_path,
-                                        batch_size=settings.batch_size, seed=settings.seed)
-    del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
-
-
 def check_settings(settings: EvalSettings, converted_exists: bool = True):
     """Every flag checked before any model or text is loaded; returns (device, dtype).
     converted_exists=False: the converted model is still to be made (the demo checks before converting)."""
-    from ..convert import resolve_device
-
     device = resolve_device(settings.device)
     dtype = resolve_eval_dtype(settings.dtype, device)
     if converted_exists and not Path(settings.converted).is_dir():
@@ -199,8 +71,8 @@ def check_settings(settings: EvalSettings, converted_exists: bool = True):
         raise UserError("--contexts must be positive token counts")
     if settings.attention not in ATTENTION_MODES:
         raise UserError(f"--attention must be one of {', '.join(ATTENTION_MODES)}, got {settings.attention}")
-    if settings.engine not in ("transformers", "vllm", "llamacpp"):
-        raise UserError(f"--engine must be transformers, vllm or llamacpp, got {settings.engine}")
+    if settings.engine not in BACKENDS:
+        raise UserError(f"--engine must be one of {', '.join(BACKENDS)}, got {settings.engine}")
     if settings.new_tokens < 1 or settings.warmup_tokens < 0:
         raise UserError("--new-tokens must be >= 1 and --warmup-tokens >= 0")
     check_scoring(settings.batch_size, settings.seq_len, settings.max_tokens)
@@ -208,6 +80,13 @@ def check_settings(settings: EvalSettings, converted_exists: bool = True):
         raise UserError(f"--prefill-chunk must be >= 1 token, got {settings.prefill_chunk}")
     if settings.skip_windows < 0:
         raise UserError(f"--skip-windows must be >= 0, got {settings.skip_windows}")
+    if settings.cache_types:
+        from .frontier import parse_cache_types
+
+        if settings.engine != "llamacpp":
+            raise UserError("--cache-types is measured in llama.cpp: add --engine llamacpp (vLLM's fp8 cache and "
+                            "transformers' quantized caches are not measured by eval; see the README's Serving notes)")
+        parse_cache_types(",".join(settings.cache_types))  # K/V pairs: the original only (MLA takes the K type)
     if settings.tasks and settings.engine != "transformers":
         raise UserError(f"--tasks (lm-eval) runs through transformers; drop --tasks or --engine {settings.engine}")
     return device, dtype
@@ -219,34 +98,12 @@ def run_eval(settings: EvalSettings) -> dict:
     device, dtype = check_settings(settings)
     tokenizer = load_tokenizer(settings.original, settings.gguf_file)
     max_windows = settings.skip_windows + max(1, settings.max_tokens // settings.seq_len)
+    chosen = backend(settings.engine)
+    if hasattr(chosen, "prepare"):
+        chosen.prepare(settings)
     windows = token_windows(settings.data, tokenizer, settings.seq_len, max_windows, settings.text_field,
                             min_windows=settings.skip_windows + 1)[settings.skip_windows :]
-    if settings.engine == "vllm":
-        from ..engines.vllm_engine import vllm_python
-        from .engine import check_vllm_serves, evaluate_in_vllm
-
-        vllm_python()  # before any work (a GGUF original is dequantized to safetensors first): is vLLM installed?
-        check_vllm_serves(settings.converted)
-        results = {
-            "original": evaluate_in_vllm("original", settings.original, settings.gguf_file, settings, windows, dtype),
-            "converted": evaluate_in_vllm("converted", settings.converted, None, settings, windows, dtype),
-        }
-    elif settings.engine == "llamacpp":
-        import tempfile
-
-        from .engine import evaluate_in_llamacpp
-
-        with tempfile.TemporaryDirectory() as tmp:
-            results = {k: evaluate_in_llamacpp(k, path, gguf, settings, windows, tokenizer, tmp)
-                       for k, path, gguf in (("original", settings.original, settings.gguf_file),
-                                             ("converted", settings.converted, None))}
-    else:
-        results = {
-            "original": evaluate_model("original", settings.original, settings.gguf_file, settings, windows,
-                                       tokenizer, dtype, device),
-            "converted": evaluate_model("converted", settings.converted, None, settings, windows, tokenizer,
-                                        dtype, device),
-        }
+    results = chosen.evaluate_pair(settings, windows, tokenizer, dtype, device)
     report = build_report(results, settings, device, dtype, time.time() - start)
     write_report(report, Path(settings.output_dir))
     return report
@@ -299,6 +156,8 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
                     f"architecture needs {analytic}; the installed {settings.engine} does not store the "
                     "compressed cache this format allows, and the measured number is what it really holds"
                 )
+    if "cache_types" in orig:
+        report["cache_types"] = cache_type_table(results)
     if "lm_eval" in orig:
         report["lm_eval"] = {
             task: {
@@ -344,6 +203,18 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
         "wall_time_s": round(seconds, 1),
     }
     return report
+
+
+def cache_type_table(results: dict) -> list[dict]:
+    """Each model under each cache type: bytes per token per layer allocated, perplexity, and its ratio to the
+    original with an f16 cache (the f16 point is measured for that reference when not asked for)."""
+    reference = results["original"]["cache_types"]["f16"]["perplexity"]
+    rows = []
+    for model in ("original", "converted"):
+        for cache, measured in results[model]["cache_types"].items():
+            rows.append({"model": model, "cache": cache, "bytes_per_token_per_layer": measured["bytes"],
+                         "perplexity": measured["perplexity"], "ratio": measured["perplexity"] / reference})
+    return rows
 
 
 def save_json(obj, path: Path) -> None:

@@ -12,7 +12,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,108 +21,12 @@ from tqdm.auto import tqdm
 
 from ..data import token_windows
 from ..errors import UserError
-from ..io.staging import check_target, staged_directory
+from ..io.staging import check_target
+from .checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import train_batches
-from .model import is_attention_param, stock_state_dict, to_natural
-
-STATE_FILE = "trainer_state.json"
-SETTINGS_FILE = "settings.json"  # in the checkpoint directory: what a --resume must match
-# Settings a resumed run may change: they do not touch the trained weights, the data order or the schedule.
-RESUMABLE_CHANGES = ("output", "save_every", "save_total_limit", "eval_data", "eval_every", "eval_windows",
-                     "checkpoint_dir", "resume", "overwrite", "progress")
-
-
-@dataclass
-class HealSettings:
-    model: str  # a directory written by `transmla-tool convert`
-    output: str
-    data: str
-    teacher: str | None = None  # the source model; None trains on the LM loss alone
-    teacher_gguf_file: str | None = None
-    text_field: str = "text"
-    max_tokens: int = 2_000_000
-    max_steps: int | None = None
-    seq_len: int = 512
-    batch_size: int = 4  # per process
-    grad_accum: int = 1
-    lr: float = 3e-5
-    warmup_steps: int | None = None  # default: 5% of the steps, at most 100
-    weight_decay: float = 0.0
-    kd_weight: float = 1.0
-    lm_weight: float = 0.0
-    temperature: float = 1.0
-    train: str = "attention"  # "attention" or "all"
-    gradient_checkpointing: bool = False
-    mixed_precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
-    save_every: int = 0  # steps between resumable checkpoints (0: only at the end)
-    save_total_limit: int | None = None  # keep at most this many checkpoints (oldest removed first)
-    eval_data: str | None = None
-    eval_every: int = 0
-    eval_windows: int = 16
-    checkpoint_dir: str | None = None  # default: <output>.ckpt
-    resume: bool = False
-    shuffle_buffer: int = 1024
-    seed: int = 0
-    overwrite: bool = False
-    progress: bool = True
-
-    def validate(self) -> None:
-        if self.train not in ("attention", "all"):
-            raise UserError(f"--train must be attention or all, got {self.train}")
-        if self.teacher is None and self.lm_weight <= 0:
-            raise UserError("without --teacher the distillation loss is unavailable: pass --teacher or --lm-weight > 0")
-        if self.kd_weight < 0 or self.lm_weight < 0 or self.kd_weight + self.lm_weight <= 0:
-            raise UserError("--kd-weight and --lm-weight must be >= 0 and not both 0")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise UserError(f"--max-steps must be >= 1, got {self.max_steps} (leave it out to train --max-tokens)")
-        if self.max_tokens < 1:
-            raise UserError(f"--max-tokens must be >= 1, got {self.max_tokens}")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
-        if min(self.seq_len, self.batch_size, self.grad_accum) < 1 or self.temperature <= 0:
-            raise UserError("--seq-len, --batch-size and --grad-accum must be >= 1, --temperature > 0")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise UserError("--save-total-limit must be >= 1")
-        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
-            raise UserError("--mixed-precision must be auto, no, bf16 or fp16")
-        if not (Path(self.model) / "config.json").exists():
-            raise UserError(f"--model {self.model} is not a directory written by transmla-tool convert")
-        check_converted(self.model)
-
-
-def check_converted(model_dir: str) -> None:
-    """Healing trains in natural form, which assumes the latent RMSNorm convert linearized: refuse any other
-    DeepSeek-V3 checkpoint (a genuine DeepSeek model would be altered silently)."""
-    summary = Path(model_dir) / "conversion.json"
-    tool = None
-    if summary.exists():
-        try:
-            tool = json.loads(summary.read_text()).get("tool")
-        except (json.JSONDecodeError, AttributeError):
-            tool = None
-    if tool != "transmla_tool":
-        raise UserError(f"--model {model_dir} has no conversion.json written by transmla-tool convert: heal assumes the "
-                        "linearized latent norm convert writes and would alter any other DeepSeek-V3 checkpoint")
-
-
-def fingerprint(settings: HealSettings, num_processes: int) -> dict:
-    """What a resumed run must share with the run that wrote the checkpoints: everything that shapes the
-    weights, the schedule or the data order (a changed --batch-size would skip the wrong batches)."""
-    values = {k: v for k, v in asdict(settings).items() if k not in RESUMABLE_CHANGES}
-    values["processes"] = num_processes
-    return values
-
-
-def check_fingerprint(ckpt_dir: Path, expected: dict) -> None:
-    saved = json.loads((ckpt_dir / SETTINGS_FILE).read_text()) if (ckpt_dir / SETTINGS_FILE).exists() else None
-    if saved is None:
-        raise UserError(f"{ckpt_dir} records no settings (written by an older transmla-tool?); --resume cannot check "
-                        "it continues the same run: pass --overwrite to start over")
-    changed = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
-    if changed:
-        detail = ", ".join(f"{k} {saved.get(k)!r} -> {expected.get(k)!r}" for k in changed)
-        raise UserError(f"--resume: the checkpoints in {ckpt_dir} were made with other settings ({detail}); rerun with "
-                        "the same settings, or pass --overwrite to start over")
+from .export import checkpoint_dtype, export
+from .model import is_attention_param, to_natural
+from .settings import SETTINGS_FILE, HealSettings, check_fingerprint, fingerprint
 
 
 def _lr_lambda(total: int, warmup: int):
@@ -148,12 +52,6 @@ def distill_loss(student_logits, teacher_logits, labels, settings: HealSettings)
     if settings.lm_weight > 0:
         lm = F.cross_entropy(s, labels.reshape(-1))
     return settings.kd_weight * kd + settings.lm_weight * lm, kd.detach(), lm.detach()
-
-
-def latest_checkpoint(directory: Path) -> Path | None:
-    found = sorted((p for p in directory.glob("step-*") if (p / STATE_FILE).exists()),
-                   key=lambda p: int(p.name.split("-")[1]))
-    return found[-1] if found else None
 
 
 def heal(settings: HealSettings, on_step=None) -> dict:
@@ -193,14 +91,12 @@ def heal(settings: HealSettings, on_step=None) -> dict:
         raise
 
 
-def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, precision: str, on_step) -> dict:
-    from accelerate.utils import DistributedType
+def _models(settings: HealSettings, accelerator):
+    """The student in natural form with its trainable parameters marked, the teacher (or None), and what the
+    export needs: (tokenizer, student, trainable, teacher, config, output dtype)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..evaluate.run import load_model
-
-    cuda = torch.cuda.is_available()
-    main = accelerator.is_main_process
+    from ..evaluate.models import load_model
 
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
     output_dtype = checkpoint_dtype(settings.model)  # read before loading: loading in fp32 rewrites config.dtype
@@ -218,11 +114,19 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
 
     teacher = None
     if settings.teacher and settings.kd_weight > 0:
-        teacher_dtype = torch.bfloat16 if cuda else torch.float32
+        teacher_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         teacher = load_model(settings.teacher, settings.teacher_gguf_file, teacher_dtype, torch.device("cpu"))
         teacher.requires_grad_(False)
         if teacher.config.vocab_size != config.vocab_size:
             raise UserError("teacher and student vocabularies differ; pass the model the student was converted from")
+    return tokenizer, student, trainable, teacher, config, output_dtype
+
+
+def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, precision: str, on_step) -> dict:
+    from accelerate.utils import DistributedType
+
+    main = accelerator.is_main_process
+    tokenizer, student, trainable, teacher, config, output_dtype = _models(settings, accelerator)
 
     per_step = settings.batch_size * settings.seq_len * settings.grad_accum * accelerator.num_processes
     total_steps = settings.max_steps or max(1, settings.max_tokens // per_step)
@@ -352,82 +256,6 @@ def evaluate_perplexity(model, windows: torch.Tensor, accelerator) -> float:
     return math.exp(float(nll / count))
 
 
-LEAN_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU")  # every process holds the whole model: save only what trains
-
-
-def _lean(accelerator) -> bool:
-    return accelerator.distributed_type.name in LEAN_TYPES
-
-
-def save_checkpoint(accelerator, path: Path, state: dict, model, optimizer, scheduler,
-                    total_limit: int | None = None) -> None:
-    """A resumable checkpoint. Without sharding (one process, DDP) it holds the trainable parameters,
-    optimizer and scheduler state and each process's RNG state: the frozen weights are the converted
-    checkpoint's and are not copied again. FSDP and DeepSpeed shard parameters and optimizer state:
-    there accelerate's own save_state writes each process's shards."""
-    import random
-
-    import numpy as np
-    from safetensors.torch import save_file
-
-    if not _lean(accelerator):
-        accelerator.save_state(str(path))
-    else:
-        path.mkdir(parents=True, exist_ok=True)
-        if accelerator.is_main_process:
-            unwrapped = accelerator.unwrap_model(model)
-            trainable = {n: p.detach().cpu().contiguous() for n, p in unwrapped.named_parameters() if p.requires_grad}
-            save_file(trainable, str(path / "trainable.safetensors"))
-            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                       path / "optimizer.pt")
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        torch.save(rng, path / f"rng-{accelerator.process_index}.pt")
-        accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (path / STATE_FILE).write_text(json.dumps(state))  # written last: marks the checkpoint complete
-        if total_limit:
-            done = sorted((p for p in path.parent.glob("step-*") if (p / STATE_FILE).exists()),
-                          key=lambda p: int(p.name.split("-")[1]))
-            for old in done[:-total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-
-
-def load_checkpoint(accelerator, path: Path, model, optimizer, scheduler) -> None:
-    import random
-
-    import numpy as np
-    from safetensors.torch import load_file
-
-    if not (path / "trainable.safetensors").exists():
-        accelerator.load_state(str(path))
-        return
-    unwrapped = accelerator.unwrap_model(model)
-    trainable = load_file(path / "trainable.safetensors")
-    params = dict(unwrapped.named_parameters())
-    with torch.no_grad():
-        for name, value in trainable.items():
-            params[name].copy_(value)
-    saved = torch.load(path / "optimizer.pt", weights_only=False)
-    optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
-    rng = torch.load(path / f"rng-{accelerator.process_index}.pt", weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-def checkpoint_dtype(model_dir: str) -> torch.dtype:
-    """The dtype a converted checkpoint was written in (its config), fp32 when it says nothing."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return getattr(torch, str(name).replace("torch.", ""), torch.float32)
-
-
 def _dir_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
@@ -437,33 +265,3 @@ def _log(path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def export(natural_state: dict, config, settings: HealSettings, tokenizer, summary: dict,
-           dtype: torch.dtype = torch.float32) -> None:
-    """Write the stock DeepSeek-V3 checkpoint (atomically, like convert)."""
-    from transformers import DeepseekV3ForCausalLM, GenerationConfig
-
-    from ..model_card import write_model_card
-
-    state = stock_state_dict(natural_state, config)
-    config.dtype = dtype
-    with torch.device("meta"):
-        stock = DeepseekV3ForCausalLM(config)
-    stock.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    stock.config.use_cache = True
-    with staged_directory(settings.output, settings.overwrite) as staging:
-        stock.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        try:
-            GenerationConfig.from_pretrained(settings.model).save_pretrained(staging)
-        except OSError:
-            pass
-        source_summary = Path(settings.model) / "conversion.json"
-        conversion = json.loads(source_summary.read_text()) if source_summary.exists() else None
-        (Path(staging) / "healing.json").write_text(json.dumps(summary, indent=2, default=str))
-        if conversion is not None:
-            (Path(staging) / "conversion.json").write_text(json.dumps(conversion, indent=2))
-            section = (f"## Healing\n\nFine-tuned for {summary['steps']} steps ({summary['tokens']} tokens) on "
-                       f"`{settings.data}` with {'distillation from `' + settings.teacher + '`' if settings.teacher else 'the LM loss'}"
-                       f" (kd_weight {settings.kd_weight}, lm_weight {settings.lm_weight}), training "
-                       f"{settings.train} parameters; see healing.json.")
-            write_model_card(Path(staging), conversion, stock.config, extra_sections=[section])

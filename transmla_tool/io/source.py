@@ -148,11 +148,7 @@ class GGUFSource(CheckpointSource):
 
     def _map_names(self) -> dict:
         from transformers import AutoModelForCausalLM
-        from transformers.modeling_gguf_pytorch_utils import (
-            TENSOR_PROCESSORS,
-            TensorProcessor,
-            get_gguf_hf_weights_map,
-        )
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
         architecture = self._reader.fields["general.architecture"]
         architecture = bytes(architecture.parts[architecture.data[0]]).decode()

@@ -1,0 +1,241 @@
+"""Quality per KV-cache byte in llama.cpp: the original under every cache type beside converted checkpoints.
+
+What a user weighing "convert" against "one cache flag" would measure, in the engine they would serve with:
+SmolLM2-135M (the original as F32 GGUF: the same values transformers converts from) under llama.cpp's
+cache types (`-ctk/-ctv`, flash attention on, mixed K/V included), and conversions calibrated on one
+source at several budgets, exported with `export-gguf` (f32) and run under the same types. Perplexity from
+llama-perplexity on each domain's held-out text (transmla_tool.assets.DOMAINS; --chunks windows of --ctx
+tokens, the second half of each scored), bytes from the cache llama.cpp allocated. A point's ratio is its
+perplexity over the original's with an f16 cache on the same text; the headline is the worst ratio over
+the domains the calibration never saw.
+
+    python eval/frontier.py --output-dir runs/frontier                          # original + default
+    python eval/frontier.py --output-dir runs/frontier --budgets 192,320 \\
+        --configs "hadamard=default:latent_basis=hadamard"                      # more rows, same file
+    python eval/frontier.py --output-dir runs/frontier --table-only --max-cache-bytes 216
+
+Resumable: rows go to <output-dir>/frontier.jsonl keyed by (model, calibration, config, budget, cache type,
+domain); a rerun measures only what is missing (a configuration name whose rows were made with other
+settings is refused). frontier.md and frontier.png are rebuilt from the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from crossdomain import calib_spec, reuse_splits  # noqa: E402
+from quality import _append, _read, check_resumable, made_with, parse_config  # noqa: E402
+
+from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
+from transmla_tool.convert import ConvertSettings, convert_many  # noqa: E402
+from transmla_tool.errors import UserError  # noqa: E402
+from transmla_tool.evaluate.frontier import (  # noqa: E402
+    DEFAULT_CONVERTED_TYPES,
+    DEFAULT_ORIGINAL_TYPES,
+    Point,
+    analytic_bytes,
+    check_mla_types,
+    markdown_table,
+    parse_cache_types,
+    plot,
+    recommend,
+)
+from transmla_tool.methods import resolve_method  # noqa: E402
+
+ORIGINAL_KV_VALUES = 3 * 64  # SmolLM2-135M: 3 KV heads x head_dim 64 keys (and as many values) per token per layer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", default="runs/frontier")
+    parser.add_argument("--data-dir", help="domain splits of an earlier run (default <output-dir>/data, built)")
+    parser.add_argument("--calib", default="news", help="comma-separated calibration sources (crossdomain.py's names)")
+    parser.add_argument("--budgets", default="192,256,320,384", help="latent + rope values per token per layer")
+    parser.add_argument("--rope-dim", type=int, default=64)
+    parser.add_argument("--configs", default="default", help="';'-separated NAME[=PRESET[:k=v,...]]")
+    parser.add_argument("--calib-samples", type=int, default=ConvertSettings.calib_samples)
+    parser.add_argument("--calib-seq-len", type=int, default=512)
+    parser.add_argument("--original-cache-types", default=DEFAULT_ORIGINAL_TYPES)
+    parser.add_argument("--cache-types", default=DEFAULT_CONVERTED_TYPES, help="cache types of converted models")
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--chunks", type=int, default=24, help="windows of --ctx tokens per domain")
+    parser.add_argument("--device", default="auto", help="conversion device")
+    parser.add_argument("--keep-gguf", action="store_true", help="keep each converted GGUF under <output-dir>/gguf")
+    parser.add_argument("--table-only", action="store_true", help="rebuild frontier.md/.png, measure nothing")
+    parser.add_argument("--max-cache-bytes", default="216,110",
+                        help="comma-separated byte budgets the table recommends a configuration for")
+    args = parser.parse_args()
+    try:
+        original_types = parse_cache_types(args.original_cache_types, "--original-cache-types")
+        converted_types = parse_cache_types(args.cache_types)
+        check_mla_types(converted_types)
+        budgets_asked = [float(b) for b in args.max_cache_bytes.split(",") if b]
+    except (UserError, ValueError) as exc:
+        raise SystemExit(f"frontier.py: {exc}") from None
+    configs = [parse_config(c) for c in args.configs.split(";") if c]
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "frontier.jsonl"
+    if args.table_only:
+        write_tables(out, budgets_asked)
+        return
+
+    from transmla_tool.engines.llamacpp import cache_flags, llama_cpp_version, perplexity, quantize
+    from transmla_tool.gguf_export import GGUFSettings, export_gguf
+
+    version = llama_cpp_version()  # fails early, with the fix, when `make engines` has not run
+    model_dir, gguf = smollm2_gguf()
+    splits = reuse_splits(Path(args.data_dir)) if args.data_dir else domain_splits(out / "data")
+    specs = {source: calib_spec(source, splits) for source in args.calib.split(",")}
+    texts = {d: _text_file(splits[d][1], out / "text" / f"{d}.txt") for d in DOMAINS}
+    rows = _read(results)
+    done = {_key(r) for r in rows}
+
+    def measure(model_file, run_flags, base: dict, types: list[str], analytic) -> None:
+        for entry in types:
+            for domain in DOMAINS:
+                row = {**base, "cache": entry, "domain": domain}
+                if _key(row) in done:
+                    continue
+                ppl = perplexity(model_file, texts[domain], args.ctx, args.chunks,
+                                 flags=[*run_flags, *cache_flags(entry)])
+                row.update(perplexity=ppl["perplexity"], chunks=ppl["chunks"], ctx=args.ctx,
+                           bytes=ppl["kv_bytes_per_token_per_layer"], kv_cells=ppl["kv_cells"], kv_layers=ppl["kv_layers"],
+                           analytic_bytes=analytic(entry), engine=version)
+                _check_bytes(row)
+                _append(results, row)
+                done.add(_key(row))
+
+    gguf_dir = out / "gguf"
+    gguf_dir.mkdir(exist_ok=True)
+    original_f32 = gguf_dir / "original-f32.gguf"
+    if any(("original", "-", "original", 0, e, d) not in done for e in original_types for d in DOMAINS):
+        if not original_f32.exists():  # the Q4_1 file's values stored as F32: what the conversion reads
+            quantize(Path(model_dir) / gguf, original_f32, "F32", allow_requantize=True)
+        measure(original_f32, [], {"model": "original", "calib": "-", "config": "original", "budget": 0},
+                original_types, lambda e: analytic_bytes(e, kv_values=ORIGINAL_KV_VALUES))
+
+    budgets = [int(b) for b in args.budgets.split(",")]
+    for source, spec in specs.items():
+        for name, preset, overrides in configs:
+            method = resolve_method(preset, overrides)
+            made = made_with(method, args)
+            check_resumable(rows, results, {"model": "converted", "calib": source, "config": name}, made)
+            todo = [b for b in budgets if any(("converted", source, name, b, e, d) not in done
+                                              for e in converted_types for d in DOMAINS)]
+            if not todo:
+                continue
+            ckpts = {b - args.rope_dim: out / "ckpt" / f"{source}-{name}-{b}" for b in todo}
+            start = time.time()
+            summaries = convert_many(ConvertSettings(
+                model=model_dir, gguf_file=gguf, output="", latent_dim=max(ckpts), rope_dim=args.rope_dim,
+                calib_data=spec, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, dtype="float32",
+                device=args.device, overwrite=True, target="llamacpp", method=method, method_name=preset,
+            ), {r: str(p) for r, p in ckpts.items()})
+            seconds = round(time.time() - start, 1)
+            for latent, ckpt in ckpts.items():
+                model_file = gguf_dir / f"{ckpt.name}-f32.gguf"
+                exported = export_gguf(GGUFSettings(checkpoint=str(ckpt), output=str(model_file), outtype="f32",
+                                                    tokenizer_gguf=str(Path(model_dir) / gguf), overwrite=True))
+                base = {"model": "converted", "calib": source, "config": name, "preset": preset,
+                        "overrides": overrides, "budget": latent + args.rope_dim, "latent_dim": latent,
+                        "rope_dim": args.rope_dim, **made, "convert_seconds_all_budgets": seconds,
+                        "stages": summaries[latent].get("stages")}
+                measure(model_file, exported["run_flags"], base, converted_types,
+                        lambda e, v=latent + args.rope_dim: analytic_bytes(e, mla_values=v))
+                shutil.rmtree(ckpt, ignore_errors=True)
+                if not args.keep_gguf:
+                    model_file.unlink(missing_ok=True)
+                gc.collect()
+    write_tables(out, budgets_asked)
+
+
+def _key(row: dict) -> tuple:
+    return (row["model"], row["calib"], row["config"], row["budget"], row["cache"], row["domain"])
+
+
+def _text_file(heldout_jsonl: Path, path: Path) -> Path:
+    """The held-out documents as plain text (llama-perplexity reads text and tokenizes it itself)."""
+    import json
+
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        docs = [json.loads(line)["text"] for line in heldout_jsonl.read_text().splitlines() if line.strip()]
+        path.write_text("\n\n".join(docs))
+    return path
+
+
+def _check_bytes(row: dict) -> None:
+    """llama.cpp prints its cache in MiB with two decimals: the bytes read back must match the type's bytes
+    to that precision, or the engine cached something other than we think (and the table would say so)."""
+    tolerance = 0.006 * 2**20 / (row["kv_cells"] * row["kv_layers"])  # half a printed unit (0.005 MiB), and a bit
+    row["bytes_match_analytic"] = abs(row["bytes"] - row["analytic_bytes"]) <= tolerance
+
+
+def points_for(rows: list[dict], calib: str) -> tuple[list[Point], dict]:
+    """Frontier points for one calibration source: ratio = worst over the domains it did not calibrate on."""
+    reference = {r["domain"]: r["perplexity"] for r in rows if r["model"] == "original" and r["cache"] == "f16"}
+    scored = [d for d in DOMAINS if d != calib and d in reference]
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        if r["model"] == "converted" and r["calib"] != calib:
+            continue
+        groups.setdefault((r["model"], r["config"], r["budget"], r["cache"]), {})[r["domain"]] = r
+    points, in_domain = [], {}
+    for (model, config, budget, cache), cells in groups.items():
+        if any(d not in cells for d in scored):
+            continue
+        ratios = {d: cells[d]["perplexity"] / reference[d] for d in cells if d in reference}
+        worst = max(scored, key=lambda d: ratios[d])
+        first = next(iter(cells.values()))
+        label = "original" if model == "original" else f"{config} {budget - first['rope_dim']} + {first['rope_dim']}"
+        point = Point(label=label, kind=model, cache=cache, bytes=round(first["bytes"], 1), ratio=ratios[worst],
+                      worst_domain=worst, latent_dim=first.get("latent_dim"), rope_dim=first.get("rope_dim"))
+        points.append(point)
+        if calib in ratios:
+            in_domain[id(point)] = ratios[calib]
+    return points, in_domain
+
+
+def write_tables(out: Path, max_bytes: list[float]) -> None:
+    rows = _read(out / "frontier.jsonl")
+    if not rows:
+        raise SystemExit(f"{out / 'frontier.jsonl'} holds no rows yet")
+    reference = next((r["bytes"] for r in rows if r["model"] == "original" and r["cache"] == "f16"), None)
+    engine = next((r["engine"] for r in rows if "engine" in r), "llama.cpp")
+    calibs = list(dict.fromkeys(r["calib"] for r in rows if r["model"] == "converted")) or ["news"]
+    lines = [f"# Quality per KV-cache byte (SmolLM2-135M in {engine})", ""]
+    mismatched = [r for r in rows if not r.get("bytes_match_analytic", True)]
+    if mismatched:
+        lines += [f"**{len(mismatched)} rows' allocated bytes differ from their cache type's** (first: "
+                  f"{mismatched[0]['config']} {mismatched[0]['cache']}: {mismatched[0]['bytes']:.1f} vs "
+                  f"{mismatched[0]['analytic_bytes']:.1f}).", ""]
+    for calib in calibs:
+        points, in_domain = points_for(rows, calib)
+        if not points:
+            continue
+        scored = ", ".join(d for d in DOMAINS if d != calib)
+        lines += [f"## Calibrated on {calib}; ratio = worst of {scored} (text the calibration never saw)", ""]
+        lines += markdown_table(points, reference)
+        if in_domain:
+            lines += ["", f"In-domain ({calib}, the calibration's own kind of text; never the headline): " + ", ".join(
+                f"{p.label} {p.cache} {in_domain[id(p)]:.3f}" for p in points if id(p) in in_domain)]
+        lines += [""]
+        for budget in max_bytes:
+            _, advice = recommend(points, budget)
+            lines += [f"- at most {budget:g} B/token/layer: {advice}"]
+        lines += [""]
+        plot(points, reference, out / f"frontier-{calib}.png",
+             f"SmolLM2-135M in llama.cpp, calibrated on {calib}: worst of {scored}")
+    (out / "frontier.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Quality per cache byte: cache-type parsing, bytes, the frontier, the recommendation, and `sweep --max-cache-bytes`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from transmla_tool.cli import main
+from transmla_tool.errors import UserError
+from transmla_tool.evaluate.frontier import (Point, analytic_bytes, check_mla_types, markdown_table, pareto,
+                                             parse_cache_types, recommend)
+
+
+def test_parse_cache_types():
+    assert parse_cache_types("f16, q8_0,q8_0/q4_0") == ["f16", "q8_0", "q8_0/q4_0"]
+    for bad in ("q3_k", "q8_0/q4_0/q4_0", "", "f16,f16"):
+        with pytest.raises(UserError):
+            parse_cache_types(bad)
+    with pytest.raises(UserError, match="view of the cached latent"):
+        check_mla_types(["q8_0/q4_0"])
+
+
+def test_analytic_bytes():
+    assert analytic_bytes("q8_0/q4_0", kv_values=192) == 204 + 108
+    assert analytic_bytes("q4_0", mla_values=192) == 108  # MLA in llama.cpp: K only
+
+
+def _points():
+    return [Point("original", "original", "f16", 768, 1.0), Point("original", "original", "q8_0", 408, 1.0002),
+            Point("original", "original", "q4_0", 216, 1.065),
+            Point("latent 128 + 64", "converted", "f16", 384, 1.20), Point("latent 128 + 64", "converted", "q8_0", 204, 1.201),
+            Point("latent 128 + 64", "converted", "q4_0", 108, 1.30),
+            Point("latent 320 + 64", "converted", "q4_0", 216, 1.05)]
+
+
+def test_pareto_and_recommendation():
+    points = _points()
+    front = pareto(points)
+    assert [(p.label, p.cache) for p in front] == [("latent 128 + 64", "q4_0"), ("latent 128 + 64", "q8_0"),
+                                                   ("latent 320 + 64", "q4_0"), ("original", "q8_0"),
+                                                   ("original", "f16")]
+    best, advice = recommend(points, 408)
+    assert best.cache == "q8_0" and best.kind == "original"
+    assert advice.startswith("do not convert, quantize the cache") and "latent 320 + 64" in advice
+    best, advice = recommend(points, 216)
+    assert best.label == "latent 320 + 64" and advice.startswith("convert:") and "original with a q4_0" in advice
+    best, advice = recommend(points, 110)
+    assert best.label == "latent 128 + 64" and best.cache == "q4_0" and "no cache type gives the original" in advice
+    best, advice = recommend(points, 50)
+    assert best is None and "nothing measured fits" in advice
+    table = markdown_table(points, 768)
+    assert len(table) == 2 + len(points)
+    assert "| original | q4_0 | 4.5 | 216 | 3.56 | 1.065 |  |" in table  # beaten at 216 by the 320 latent
+    assert "| latent 320 + 64 | q4_0 | 4.5 | 216 | 3.56 | 1.050 | yes |" in table
+
+
+def test_sweep_max_cache_bytes_in_transformers(make_model, text_file, tmp_path):
+    """--max-cache-bytes with the transformers engine: points at a 16-bit cache, the best fitting one named."""
+    src = make_model("llama", kv_heads=2)
+    out = tmp_path / "s"
+    assert main(["sweep", "--model", str(src), "--output-dir", str(out), "--calib-data", str(text_file),
+                 "--calib-samples", "8",
+                 "--calib-seq-len", "64", "--rope-dim", "8", "--device", "cpu", "--dtype", "float32", "--method",
+                 "closed-form", "--no-progress", "--latent-dims", "16,40", "--data", str(text_file), "--seq-len", "64",
+                 "--max-tokens", "640", "--target", "transformers", "--max-cache-bytes", "100"]) == 0
+    result = json.loads((out / "sweep.json").read_text())
+    rec = result["recommendation"]
+    # 2 KV heads x 16 x 2 (K and V) = 64 values = 128 bytes at 16 bits: only the latents (24, 48 values) fit
+    assert rec["point"]["kind"] == "converted"
+    fits = {p["latent_dim"]: p["perplexity"] for p in result["points"] if 2 * (p["latent_dim"] + 8) <= 100}
+    assert rec["point"]["latent_dim"] == min(fits, key=fits.get)
+    assert "Recommendation" in (out / "sweep.md").read_text()
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--cache-types", "q4_0"], "--cache-types is measured in llama.cpp"),
+    (["--engine", "llamacpp"], "reads the original as a GGUF"),
+    (["--max-cache-bytes", "0"], "--max-cache-bytes must be > 0"),
+])
+def test_sweep_engine_flags_checked_before_converting(make_model, text_file, tmp_path, capsys, flags, needle):
+    src = make_model("llama", kv_heads=2)
+    code = main(["sweep", "--model", str(src), "--calib-data", str(text_file), "--latent-dims", "16",
+                 "--data", str(text_file), "--output-dir", str(tmp_path / "s"), "--rope-dim", "8", *flags])
+    assert code == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()

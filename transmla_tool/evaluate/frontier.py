@@ -1,0 +1,206 @@
+"""Quality per cache byte: the original under every cache type an engine offers, beside converted checkpoints
+under the same types, and the best choice for a byte budget.
+
+A point is one model served with one cache type: its bytes per token per layer (what the engine allocated)
+and its perplexity ratio to the original with an f16 cache (the worst over the domains scored, when there
+are several). The frontier is the set of points no other point beats on both; `recommend` answers "what
+should I run with at most N bytes per token per layer", which is "do not convert, quantize the cache" when
+an original point wins.
+
+Cache types are llama.cpp's names (`-ctk/-ctv`); "K/V" (e.g. "q8_0/q4_0") gives the keys and values their
+own types. In llama.cpp's deepseek2 path the cache holds one row per token, [latent | rotary key], and the
+values are a view of its latent: one type for both, and no V bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..engines.llamacpp import LLAMA_CPP_CACHE_TYPES, split_types
+from ..errors import UserError
+from ..ops.kv_quant import CACHE_TYPES, bytes_per_token_per_layer
+
+DEFAULT_ORIGINAL_TYPES = "f16,q8_0,q8_0/q5_0,q8_0/q4_0,q5_1,q5_0,q4_1,iq4_nl,q4_0"
+DEFAULT_CONVERTED_TYPES = "f16,q8_0,q5_1,q5_0,q4_1,iq4_nl,q4_0"
+
+
+def parse_cache_types(spec: str, flag: str = "--cache-types") -> list[str]:
+    """'f16,q8_0/q4_0' -> ['f16', 'q8_0/q4_0'], each name checked against what llama.cpp accepts."""
+    entries = [e.strip() for e in spec.split(",") if e.strip()]
+    if not entries:
+        raise UserError(f"{flag} is empty; give cache types such as f16,q8_0,q4_0")
+    for entry in entries:
+        parts = entry.split("/")
+        if len(parts) > 2 or any(p not in LLAMA_CPP_CACHE_TYPES for p in parts):
+            raise UserError(f"{flag}: '{entry}' is not a cache type; use one of {', '.join(LLAMA_CPP_CACHE_TYPES)}, "
+                            "or K/V such as q8_0/q4_0")
+    if len(set(entries)) != len(entries):
+        raise UserError(f"{flag} names a cache type twice")
+    return entries
+
+
+def check_mla_types(entries: list[str], flag: str = "--cache-types") -> None:
+    mixed = [e for e in entries if split_types(e)[0] != split_types(e)[1]]
+    if mixed:
+        raise UserError(f"{flag}: '{mixed[0]}' gives keys and values different types, which a converted (MLA) "
+                        "model cannot take in llama.cpp (its values are a view of the cached latent); give one type")
+
+
+def analytic_bytes(entry: str, *, kv_values: int | None = None, mla_values: int | None = None) -> float:
+    """Bytes per token per layer of a cache type: a GQA/MHA model caching `kv_values` keys and as many values,
+    or an MLA model in llama.cpp caching one row of `mla_values` (latent + rope, the values a view of it)."""
+    k, v = split_types(entry)
+    if mla_values is not None:
+        return bytes_per_token_per_layer(mla_values, 0, k)
+    return bytes_per_token_per_layer(kv_values, kv_values, k, v)
+
+
+def bits_per_value(entry: str) -> str:
+    k, v = split_types(entry)
+    bk, bv = (CACHE_TYPES[t].bytes_per_value * 8 for t in (k, v))
+    return f"{bk:g}" if k == v else f"{bk:g}/{bv:g}"
+
+
+@dataclass
+class Point:
+    label: str  # "original" or "latent 128 + 64" (+ a configuration name)
+    kind: str  # "original" or "converted"
+    cache: str  # cache type entry, e.g. "q4_0" or "q8_0/q4_0"
+    bytes: float  # per token per layer, as the engine allocated
+    ratio: float  # perplexity / the original's with an f16 cache (worst over the domains scored)
+    worst_domain: str = ""
+    latent_dim: int | None = None
+    rope_dim: int | None = None
+    command: str = ""  # what made it
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def pareto(points: list[Point]) -> list[Point]:
+    """Points no other point beats on both bytes and ratio, by bytes."""
+    ordered = sorted(points, key=lambda p: (p.bytes, p.ratio))
+    front, best = [], float("inf")
+    for p in ordered:
+        if p.ratio < best:
+            front.append(p)
+            best = p.ratio
+    return front
+
+
+def recommend(points: list[Point], max_bytes: float) -> tuple[Point | None, str]:
+    """The measured point with the lowest ratio at <= max_bytes per token per layer, and what to tell the user."""
+    fits = [p for p in points if p.bytes <= max_bytes + 1e-9]
+    if not fits:
+        smallest = min(points, key=lambda p: p.bytes)
+        return None, (f"nothing measured fits {max_bytes:g} bytes per token per layer; the smallest point is "
+                      f"{describe(smallest)}")
+    best = min(fits, key=lambda p: (p.ratio, p.bytes))
+    if best.kind == "original":
+        converted = [p for p in fits if p.kind == "converted"]
+        runner = min(converted, key=lambda p: (p.ratio, p.bytes)) if converted else None
+        tail = (f"; the best conversion that fits, {describe(runner)}, is worse" if runner else
+                "; no measured conversion fits")
+        return best, (f"do not convert, quantize the cache: {describe(best)} is the best at <= {max_bytes:g} "
+                      f"bytes per token per layer{tail}")
+    originals = [p for p in fits if p.kind == "original"]
+    rival = (f"; the original's best that fits, {describe(min(originals, key=lambda p: p.ratio))}, is worse"
+             if originals else "; no cache type gives the original that few bytes")
+    return best, f"convert: {describe(best)} is the best at <= {max_bytes:g} bytes per token per layer{rival}"
+
+
+def describe(p: Point) -> str:
+    return f"{p.label} with a {p.cache} cache ({p.bytes:.0f} B/token/layer, ratio {p.ratio:.3f})"
+
+
+def markdown_table(points: list[Point], reference_bytes: float) -> list[str]:
+    """Rows by bytes: label, cache, bits per value, bytes, fraction of the f16 original, ratio, on the frontier."""
+    front = {id(p) for p in pareto(points)}
+    lines = ["| model | cache | bits/value | bytes/token/layer | x smaller | ratio (worst domain) | frontier |",
+             "|---|---|---|---|---|---|---|"]
+    for p in sorted(points, key=lambda p: (-p.bytes, p.ratio)):
+        lines.append(f"| {p.label} | {p.cache} | {bits_per_value(p.cache)} | {p.bytes:.0f} | "
+                     f"{reference_bytes / p.bytes:.2f} | {p.ratio:.3f}{f' ({p.worst_domain})' if p.worst_domain else ''} "
+                     f"| {'yes' if id(p) in front else ''} |")
+    return lines
+
+
+def plot(points: list[Point], reference_bytes: float, path, title: str) -> None:
+    """Log bytes vs ratio: one line per model (its cache types), the frontier drawn over them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    labels = list(dict.fromkeys(p.label for p in points))
+    for label in labels:
+        mine = sorted((p for p in points if p.label == label), key=lambda p: p.bytes)
+        style = dict(color="black", marker="s", linewidth=2) if mine[0].kind == "original" else dict(marker="o")
+        ax.plot([p.bytes for p in mine], [p.ratio for p in mine], label=label, alpha=0.85, **style)
+        for p in mine:
+            ax.annotate(p.cache, (p.bytes, p.ratio), fontsize=6, textcoords="offset points", xytext=(2, 3))
+    front = pareto(points)
+    ax.step([p.bytes for p in front], [p.ratio for p in front], where="post", color="tab:red", linewidth=1,
+            linestyle="--", label="frontier")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.invert_xaxis()
+    ax.set_xlabel(f"KV cache bytes per token per layer (f16 original: {reference_bytes:.0f})")
+    ax.set_ylabel("perplexity / original with f16 cache")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def points_from_sweep(result: dict) -> list[Point]:
+    """Frontier points of a `sweep` result: its llama.cpp cache-type measurements, or (transformers) each model
+    at a 16-bit cache, bytes = cached values x 2."""
+    rope = result["settings"]["rope_dim"]
+    if "cache_types" in result:
+        reference = result["cache_types"]["original"]["f16"]["perplexity"]
+        points = []
+        for key, types in result["cache_types"].items():
+            latent = None if key == "original" else int(key)
+            label = "original" if latent is None else f"latent {latent} + {rope}"
+            for entry, m in types.items():
+                points.append(Point(label=label, kind="original" if latent is None else "converted", cache=entry,
+                                    bytes=round(m["bytes"], 1), ratio=m["perplexity"] / reference, latent_dim=latent,
+                                    rope_dim=None if latent is None else rope))
+        return points
+    reference = result["original"]["perplexity"]
+    points = [Point(label="original", kind="original", cache="16-bit", ratio=1.0,
+                    bytes=2.0 * result["original"]["values_per_token_per_layer"])]
+    points += [Point(label=f"latent {p['latent_dim']} + {rope}", kind="converted", cache="16-bit",
+                     bytes=2.0 * p["values_per_token_per_layer"], ratio=p["perplexity"] / reference,
+                     latent_dim=p["latent_dim"], rope_dim=rope) for p in result["points"]]
+    return points
+
+
+def score_in_llamacpp(original: str, gguf_file: str, checkpoints: dict, text_file, ctx: int, chunks: int,
+                      original_types: list[str], converted_types: list[str], tmp) -> dict:
+    """{"original" | str(latent): {cache type: {"perplexity", "bytes"}}} measured by llama-perplexity: the
+    original GGUF re-typed to F32 (the values the conversion read), each checkpoint exported f32."""
+    from pathlib import Path
+
+    from ..engines.llamacpp import perplexity_per_cache_type, quantize
+    from ..gguf_export import GGUFSettings, export_gguf
+
+    tmp = Path(tmp)
+    source = tmp / "original-f32.gguf"
+    quantize(Path(original) / gguf_file, source, "F32", allow_requantize=True)
+    types = original_types if "f16" in original_types else ["f16", *original_types]
+    scored = {"original": perplexity_per_cache_type(source, text_file, ctx, chunks, types)}
+    source.unlink()
+    mla_types = list(dict.fromkeys(split_types(t)[0] for t in converted_types))
+    for latent, path in checkpoints.items():
+        model_file = tmp / f"latent{latent}-f32.gguf"
+        exported = export_gguf(GGUFSettings(checkpoint=str(path), output=str(model_file), outtype="f32",
+                                            tokenizer_gguf=str(Path(original) / gguf_file), overwrite=True))
+        scored[str(latent)] = perplexity_per_cache_type(model_file, text_file, ctx, chunks, mla_types,
+                                                        exported["run_flags"])
+        model_file.unlink()
+    return scored

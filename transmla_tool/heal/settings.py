@@ -1,0 +1,107 @@
+"""`heal`'s settings, their checks, and the fingerprint a resumed run must match."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import UserError
+
+SETTINGS_FILE = "settings.json"  # in the checkpoint directory: what a --resume must match
+# Settings a resumed run may change: they do not touch the trained weights, the data order or the schedule.
+RESUMABLE_CHANGES = ("output", "save_every", "save_total_limit", "eval_data", "eval_every", "eval_windows",
+                     "checkpoint_dir", "resume", "overwrite", "progress")
+
+
+@dataclass
+class HealSettings:
+    model: str  # a directory written by `transmla-tool convert`
+    output: str
+    data: str
+    teacher: str | None = None  # the source model; None trains on the LM loss alone
+    teacher_gguf_file: str | None = None
+    text_field: str = "text"
+    max_tokens: int = 2_000_000
+    max_steps: int | None = None
+    seq_len: int = 512
+    batch_size: int = 4  # per process
+    grad_accum: int = 1
+    lr: float = 3e-5
+    warmup_steps: int | None = None  # default: 5% of the steps, at most 100
+    weight_decay: float = 0.0
+    kd_weight: float = 1.0
+    lm_weight: float = 0.0
+    temperature: float = 1.0
+    train: str = "attention"  # "attention" or "all"
+    gradient_checkpointing: bool = False
+    mixed_precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    save_every: int = 0  # steps between resumable checkpoints (0: only at the end)
+    save_total_limit: int | None = None  # keep at most this many checkpoints (oldest removed first)
+    eval_data: str | None = None
+    eval_every: int = 0
+    eval_windows: int = 16
+    checkpoint_dir: str | None = None  # default: <output>.ckpt
+    resume: bool = False
+    shuffle_buffer: int = 1024
+    seed: int = 0
+    overwrite: bool = False
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.train not in ("attention", "all"):
+            raise UserError(f"--train must be attention or all, got {self.train}")
+        if self.teacher is None and self.lm_weight <= 0:
+            raise UserError("without --teacher the distillation loss is unavailable: pass --teacher or --lm-weight > 0")
+        if self.kd_weight < 0 or self.lm_weight < 0 or self.kd_weight + self.lm_weight <= 0:
+            raise UserError("--kd-weight and --lm-weight must be >= 0 and not both 0")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise UserError(f"--max-steps must be >= 1, got {self.max_steps} (leave it out to train --max-tokens)")
+        if self.max_tokens < 1:
+            raise UserError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if min(self.seq_len, self.batch_size, self.grad_accum) < 1 or self.temperature <= 0:
+            raise UserError("--seq-len, --batch-size and --grad-accum must be >= 1, --temperature > 0")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise UserError("--save-total-limit must be >= 1")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise UserError("--mixed-precision must be auto, no, bf16 or fp16")
+        if not (Path(self.model) / "config.json").exists():
+            raise UserError(f"--model {self.model} is not a directory written by transmla-tool convert")
+        check_converted(self.model)
+
+
+def check_converted(model_dir: str) -> None:
+    """Healing trains in natural form, which assumes the latent RMSNorm convert linearized: refuse any other
+    DeepSeek-V3 checkpoint (a genuine DeepSeek model would be altered silently)."""
+    summary = Path(model_dir) / "conversion.json"
+    tool = None
+    if summary.exists():
+        try:
+            tool = json.loads(summary.read_text()).get("tool")
+        except (json.JSONDecodeError, AttributeError):
+            tool = None
+    if tool != "transmla_tool":
+        raise UserError(f"--model {model_dir} has no conversion.json written by transmla-tool convert: heal assumes the "
+                        "linearized latent norm convert writes and would alter any other DeepSeek-V3 checkpoint")
+
+
+def fingerprint(settings: HealSettings, num_processes: int) -> dict:
+    """What a resumed run must share with the run that wrote the checkpoints: everything that shapes the
+    weights, the schedule or the data order (a changed --batch-size would skip the wrong batches)."""
+    values = {k: v for k, v in asdict(settings).items() if k not in RESUMABLE_CHANGES}
+    values["processes"] = num_processes
+    return values
+
+
+def check_fingerprint(ckpt_dir: Path, expected: dict) -> None:
+    saved = json.loads((ckpt_dir / SETTINGS_FILE).read_text()) if (ckpt_dir / SETTINGS_FILE).exists() else None
+    if saved is None:
+        raise UserError(f"{ckpt_dir} records no settings (written by an older transmla-tool?); --resume cannot check "
+                        "it continues the same run: pass --overwrite to start over")
+    changed = sorted(k for k in set(saved) | set(expected) if saved.get(k) != expected.get(k))
+    if changed:
+        detail = ", ".join(f"{k} {saved.get(k)!r} -> {expected.get(k)!r}" for k in changed)
+        raise UserError(f"--resume: the checkpoints in {ckpt_dir} were made with other settings ({detail}); rerun with "
+                        "the same settings, or pass --overwrite to start over")

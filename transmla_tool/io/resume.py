@@ -1,0 +1,73 @@
+"""On-disk state of an interrupted conversion (`convert --resume`).
+
+After each finished layer the staging directory holds, under resume/: the calibration ids, the source's
+residual stream (and each target's own stream when the method calibrates on converted inputs), and a
+state file naming the next layer and the settings it must be continued with. The state file is written
+last, so a kill at any moment leaves either the previous checkpoint or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import UserError
+from .staging import RESUMABLE_MARK, staging_path
+
+if TYPE_CHECKING:
+    from ..convert import ConvertSettings
+
+RESUME_DIR = "resume"
+
+
+def resume_key(settings: ConvertSettings, targets) -> str:
+    """What must be equal for a partial conversion to be continued."""
+    ignored = ("progress", "overwrite", "resume", "output", "batch_size", "refuse_unservable")
+    key = {k: v for k, v in asdict(settings).items() if k not in ignored}
+    key["latent_dims"] = [t.latent_dim for t in targets]
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def load_resume(settings, targets, ids) -> dict | None:
+    """The checkpointed state of an interrupted conversion, or None to start from layer 0. Checked
+    before the staging directory is entered, so a refused resume leaves the unfinished work alone."""
+    state_file = staging_path(targets[0].output) / RESUME_DIR / "state.json"
+    if not settings.resume or not state_file.exists():
+        return None
+    state = json.loads(state_file.read_text())
+    if state["key"] != resume_key(settings, targets):
+        raise UserError(f"the unfinished conversion in {state_file.parent.parent} used other settings; rerun it with "
+                        "the same settings, or pass --overwrite instead of --resume to start over")
+    if not torch.equal(torch.load(state_file.parent / "ids.pt"), ids):
+        raise UserError("the calibration text differs from the unfinished conversion's; use the same "
+                        "--calib-data, or --overwrite to start over")
+    return state
+
+
+def save_resume(settings, targets, ids, hidden, next_layer: int) -> None:
+    """Checkpoint after a finished layer: the calibration stream(s), then the state file (the commit point)."""
+    root = targets[0].staging / RESUME_DIR
+    root.mkdir(exist_ok=True)
+
+    def save(obj, name):
+        tmp = root / f"{name}.tmp"
+        torch.save(obj, tmp)
+        os.replace(tmp, root / name)
+
+    if next_layer == 1:
+        save(ids, "ids.pt")
+    save(hidden.cpu(), "hidden.pt")
+    for t in targets:
+        if t.stream is not None:
+            save(t.stream.cpu(), f"stream-{t.latent_dim}.pt")
+    state = {"key": resume_key(settings, targets), "next_layer": next_layer,
+             "reports": {str(t.latent_dim): t.reports for t in targets}}
+    tmp = root / "state.json.tmp"
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, root / "state.json")
+    for t in targets:
+        (t.staging / RESUMABLE_MARK).touch()

@@ -1,0 +1,233 @@
+"""One decoder layer's conversion: statistics -> rope plan -> factorize -> basis -> refine -> stock tensors -> verify.
+
+`LayerContext` is what every layer of a conversion shares (the method, the rotary tables of source and
+target, which source frequencies each rotary slot carries); `calibrate_layer` reads what the closed form and
+the refinement need from the layer's calibration inputs (shared by the outputs of a multi-latent conversion
+that calibrate on the same inputs); `convert_layer` turns the source layer into stock DeepSeek-V3 attention
+tensors for one latent size and says how it went. Nothing here knows about files, shards or resume state.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+
+import torch
+
+from .arch import AttentionGeometry
+from .calibrate import SourceLayers, chunks
+from .export import stock_attention
+from .methods import Method
+from .ops.basis import balance_rope_key, latent_rotation, rotate_latent
+from .ops.decouple import RopePlan, fold_pools, match_pools, plan_rope
+from .ops.factorize import factorize
+from .ops.kv_quant import cache_row_store
+from .ops.linalg import affine_moment
+from .ops.mla import GQAWeights, MLAWeights, mla_attention, pad_latent
+from .ops.refine import refine
+from .ops.rope import expected_rotation
+from .ops.stats import LayerStats, attention_distance_mass
+
+DISTANCE_WINDOWS = 8  # windows used for the attention-distance statistics (one at a time)
+
+
+@dataclass
+class LayerContext:
+    """What the conversion of every layer shares."""
+
+    method: Method
+    geometry: AttentionGeometry
+    rope_dim: int
+    seed: int
+    batch_size: int
+    refine_windows: int
+    cos: torch.Tensor  # (L, D) source rotary table (rotate_half layout)
+    sin: torch.Tensor
+    target_cos: torch.Tensor  # (L, dr) target rotary table (interleaved)
+    target_sin: torch.Tensor
+    inv_freq: torch.Tensor  # (D/2,) source frequencies, fp64 on the CPU
+    pools: list  # source frequencies each rotary slot carries
+    log_freqs: tuple  # (target, source) log frequencies
+    rope_slot_max_log_error: float  # 0 when every slot turns exactly at its source frequencies
+
+    @classmethod
+    def build(cls, method: Method, geometry: AttentionGeometry, layers: SourceLayers, target_config, *,
+              length: int, rope_dim: int, seed: int, batch_size: int, windows: int, device) -> "LayerContext":
+        cos, sin = (t[0] for t in layers.position_embeddings(length))  # (L, D)
+        target_inv_freq, target_cos, target_sin = _target_rotary(target_config, length, device)
+        log_freqs = (target_inv_freq.log(), layers.inv_freq.log())
+        if _on_stride(layers.inv_freq, target_inv_freq, geometry.head_dim // rope_dim):
+            pools, error = fold_pools(geometry.head_dim, rope_dim, method.rope_pool), 0.0
+        else:  # a scaled rope mapped onto YaRN: slots carry the source frequencies nearest to theirs
+            pools, error = match_pools(log_freqs[1], log_freqs[0], method.rope_pool)
+        return cls(method=method, geometry=geometry, rope_dim=rope_dim, seed=seed, batch_size=batch_size,
+                   refine_windows=min(method.refine_windows, windows), cos=cos, sin=sin, target_cos=target_cos,
+                   target_sin=target_sin, inv_freq=layers.inv_freq, pools=pools, log_freqs=log_freqs,
+                   rope_slot_max_log_error=error)
+
+
+@dataclass
+class LayerCalibration:
+    """What one layer's conversion reads from its calibration inputs."""
+
+    stats: LayerStats
+    plan: RopePlan
+    rotation: tuple | None  # expected rotation of the RoPE-free part (method.nope_rotation), else None
+    x_refine: torch.Tensor | None  # (N, L, d) attention inputs the refinement fits on
+    y_refine: torch.Tensor | None  # (N, L, d) the source attention block's outputs on them
+
+
+def calibrate_layer(layer, attn: GQAWeights, inputs: torch.Tensor, ctx: LayerContext, stage=None) -> LayerCalibration:
+    """Statistics, rotary plan and refinement data of one source layer on its inputs (N, L, d)."""
+    stage = stage or (lambda name: nullcontext())
+    method = ctx.method
+    with stage("statistics"):
+        stats = _layer_stats(layer, attn, inputs, ctx.cos, ctx.sin, ctx.batch_size, method)
+    with stage("rope plan"):
+        plan, rotation = _rope_plan(method, attn, stats, ctx.geometry, ctx.inv_freq, ctx.pools, ctx.log_freqs)
+    x_refine = y_refine = None
+    if method.refines:
+        with stage("statistics"):
+            x_refine, y_refine = _refine_data(layer, inputs[:ctx.refine_windows], ctx.cos, ctx.sin, ctx.batch_size)
+    return LayerCalibration(stats, plan, rotation, x_refine, y_refine)
+
+
+def convert_layer(layer, attn: GQAWeights, inputs: torch.Tensor, calib: LayerCalibration, ctx: LayerContext,
+                  index: int, latent_dim: int, config, stage=None) -> tuple[dict, MLAWeights, dict]:
+    """One source layer as stock attention tensors for a latent of `latent_dim` (config: the output's
+    DeepseekV3Config, its kv_lora_rank the stored, possibly padded, latent). Returns the tensors (names relative
+    to `self_attn.`, fp64), the natural-form weights and the layer's report."""
+    stage = stage or (lambda name: nullcontext())
+    method, device = ctx.method, inputs.device
+    with stage("factorize"):  # fp64 on the conversion device: a GPU does it in a fraction of the time
+        mla, fact = factorize(
+            attn.to(torch.float64, device), calib.stats.x_moment.to(device), _plan_to(calib.plan, device),
+            ctx.rope_dim, latent_dim, nope_rotation=_rotation_to(calib.rotation, device),
+            latent_weighting=method.latent_weighting, kv_balance=method.kv_balance,
+        )
+        mla = mla.to(torch.float64, "cpu")
+        if not config.attention_bias:  # a bias-free output: refinement (if on) absorbs the biases
+            mla = replace(mla, q_bias=None, kv_a_bias=None, o_bias=None)
+        # exact changes of basis that only change how the cache quantizes (ops/basis.py)
+        mla = rotate_latent(mla, latent_rotation(latent_dim, method.latent_basis, ctx.seed + index))
+        if method.rope_key_balance == "energy":
+            mla = balance_rope_key(mla, calib.stats.x_moment.cpu())
+    report = {"layer": index, "kept_energy": round(fact.kept_energy, 6), "kv_balance": round(fact.kv_balance, 6)}
+    if method.refines:
+        windows = calib.x_refine.shape[0]
+        with stage("refine"):
+            mla, ref = refine(
+                mla, calib.x_refine, calib.y_refine, ctx.target_cos, ctx.target_sin, steps=method.refine_steps,
+                lr=method.refine_lr, batch=method.refine_batch, queries=method.refine_queries,
+                holdout=max(1, windows // 8) if windows > 1 else 0, seed=ctx.seed + index,
+                anchor=method.refine_anchor, noise=method.refine_noise,
+                teacher=lambda x: source_attention(layer, x, ctx.cos, ctx.sin),
+                cache_store=cache_row_store(None if method.refine_cache == "none" else method.refine_cache,
+                                            latent_dim, config.kv_lora_rank),
+                value_solve=method.refine_value_solve)
+        report.update(refine_loss_before=round(ref.loss_before, 6), refine_loss_after=round(ref.loss_after, 6),
+                      refine_seconds=round(ref.seconds, 2))
+    mla = pad_latent(mla, config.kv_lora_rank)
+    tensors = stock_attention(mla, layer.input_layernorm.weight.cpu(), q_lora=config.q_lora_rank is not None,
+                              attention_bias=config.attention_bias)
+    with stage("verify"), torch.no_grad():
+        sample = layer.input_layernorm(inputs[: min(2, inputs.shape[0])])
+        report["stock_vs_reference"] = verify_stock_layer(tensors, mla, config, index, sample, ctx.target_cos,
+                                                          ctx.target_sin)
+    return tensors, mla, report
+
+
+def source_attention(layer, x, cos, sin):
+    """The source attention block (causal) on its normalized inputs x (B, L, d)."""
+    return layer.self_attn(x, position_embeddings=(cos[None], sin[None]), attention_mask=None)[0]
+
+
+def verify_stock_layer(tensors, mla, target_config, layer_idx, x, cos, sin) -> float:
+    """Relative difference between transformers' stock DeepSeek-V3 attention loaded with our tensors
+    and the reference math of the natural weights, on calibration inputs (fp32)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    config = copy.deepcopy(target_config)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        module = DeepseekV3Attention(config, layer_idx)
+    module.load_state_dict({k: v.to(x.device, torch.float32) for k, v in tensors.items()}, assign=True)
+    with torch.no_grad():
+        stock = module(x, position_embeddings=(cos[None], sin[None]), attention_mask=None)[0]
+        reference = mla_attention(x, mla.to(torch.float32, x.device), cos, sin)
+    return float((stock - reference).norm() / reference.norm().clamp_min(1e-30))
+
+
+def _plan_to(plan, device):
+    return type(plan)(a=plan.a.to(device), b=plan.b.to(device))
+
+
+def _rotation_to(rotation, device):
+    return None if rotation is None else tuple(r.to(device) for r in rotation)
+
+
+def _rope_plan(method, attn, stats, geometry, inv_freq, pools, log_freqs):
+    key_moment = affine_moment(attn.k.double().cpu(), _cpu(attn.k_bias), stats.x_moment.cpu())
+    candidate_weight = rotation = None
+    if method.nope_rotation == "expected" or method.rope_weighting == "score":
+        exp_cos, exp_sin = expected_rotation(inv_freq, stats.distance_mass.cpu())  # (H, D/2)
+        if method.nope_rotation == "expected":
+            rotation = (exp_cos, exp_sin)
+        if method.rope_weighting == "score":
+            candidate_weight = _score_weight(attn, stats, geometry, 1.0 - exp_cos**2 - exp_sin**2)
+    plan = plan_rope(key_moment, pools, geometry.num_kv_heads, geometry.head_dim, candidate_weight, *log_freqs)
+    return plan, rotation
+
+
+@torch.no_grad()
+def _refine_data(layer, inputs, cos, sin, batch):
+    """Attention inputs and the source attention block's outputs on them, (N, L, d) each."""
+    xs, ys = [], []
+    for rows in chunks(inputs.shape[0], batch):
+        x = layer.input_layernorm(inputs[rows])
+        xs.append(x)
+        ys.append(source_attention(layer, x, cos, sin))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def _cpu(t):
+    return None if t is None else t.double().cpu()
+
+
+def _layer_stats(layer, attn, inputs, cos, sin, batch, method: Method) -> LayerStats:
+    stats = LayerStats.empty(attn.q.shape[1], attn.num_heads, inputs.shape[1], device=inputs.device)
+    with torch.no_grad():
+        for rows in chunks(inputs.shape[0], batch):
+            stats.add(layer.input_layernorm(inputs[rows]))
+        # attention maps are L x L per head: a few windows, one at a time, bound their memory
+        for rows in chunks(min(DISTANCE_WINDOWS, inputs.shape[0]), 1):
+            x = layer.input_layernorm(inputs[rows])
+            stats.distance_mass += attention_distance_mass(x, attn, cos, sin).double()
+    return stats.finalize(method.moment_shrinkage, method.shrink_target)
+
+
+def _score_weight(attn, stats, geometry, rotation_spread):
+    """(G, D/2): query energy at each frequency, summed over a group's heads, times how much RoPE
+    moves scores at that frequency (1 - |E e^{i w delta}|^2)."""
+    heads, dim, half = geometry.num_heads, geometry.head_dim, geometry.head_dim // 2
+    q_moment = affine_moment(attn.q.double().cpu(), _cpu(attn.q_bias), stats.x_moment.cpu())
+    diag = q_moment.diagonal().view(heads, dim)
+    energy = diag[:, :half] + diag[:, half:]  # (H, D/2)
+    weighted = energy * rotation_spread.clamp_min(0)
+    return weighted.view(geometry.num_kv_heads, geometry.group_size, half).sum(1)
+
+
+def _target_rotary(target_config, length, device):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+    rotary = DeepseekV3RotaryEmbedding(target_config).to(device)
+    positions = torch.arange(length, device=device)[None]
+    cos, sin = rotary(torch.zeros(1, device=device), positions)
+    return rotary.inv_freq.detach().to("cpu", torch.float64), cos[0], sin[0]
+
+
+def _on_stride(source_inv_freq, target_inv_freq, stride) -> bool:
+    """Does slot j of the target turn exactly at source frequency stride*j?"""
+    expected = source_inv_freq[::stride][: target_inv_freq.shape[0]]
+    return bool(torch.allclose(expected, target_inv_freq, rtol=1e-5))
