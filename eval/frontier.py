@@ -63,6 +63,9 @@ def main() -> None:
     parser.add_argument("--calib-seq-len", type=int, default=512)
     parser.add_argument("--original-cache-types", default=DEFAULT_ORIGINAL_TYPES)
     parser.add_argument("--cache-types", default=DEFAULT_CONVERTED_TYPES, help="cache types of converted models")
+    parser.add_argument("--in-domain", action="store_true",
+                        help="also score converted models on their calibration domain (labelled in-domain, never the "
+                        "headline); by default they are scored only on the domains the calibration never saw")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=24, help="windows of --ctx tokens per domain")
     parser.add_argument("--device", default="auto", help="conversion device")
@@ -97,9 +100,9 @@ def main() -> None:
     rows = _read(results)
     done = {_key(r) for r in rows}
 
-    def measure(model_file, run_flags, base: dict, types: list[str], analytic) -> None:
+    def measure(model_file, run_flags, base: dict, types: list[str], analytic, domains=DOMAINS) -> None:
         for entry in types:
-            for domain in DOMAINS:
+            for domain in domains:
                 row = {**base, "cache": entry, "domain": domain}
                 if _key(row) in done:
                     continue
@@ -127,8 +130,11 @@ def main() -> None:
             method = resolve_method(preset, overrides)
             made = made_with(method, args)
             check_resumable(rows, results, {"model": "converted", "calib": source, "config": name}, made)
+            domains = DOMAINS if args.in_domain else unseen(source)
+            if not domains:
+                raise SystemExit(f"--calib {source} leaves no domain unseen: pass --in-domain to score it anyway")
             todo = [b for b in budgets if any(("converted", source, name, b, e, d) not in done
-                                              for e in converted_types for d in DOMAINS)]
+                                              for e in converted_types for d in domains)]
             if not todo:
                 continue
             ckpts = {b - args.rope_dim: out / "ckpt" / f"{source}-{name}-{b}" for b in todo}
@@ -148,12 +154,19 @@ def main() -> None:
                         "rope_dim": args.rope_dim, **made, "convert_seconds_all_budgets": seconds,
                         "stages": summaries[latent].get("stages")}
                 measure(model_file, exported["run_flags"], base, converted_types,
-                        lambda e, v=latent + args.rope_dim: analytic_bytes(e, mla_values=v))
+                        lambda e, v=latent + args.rope_dim: analytic_bytes(e, mla_values=v), domains)
                 shutil.rmtree(ckpt, ignore_errors=True)
                 if not args.keep_gguf:
                     model_file.unlink(missing_ok=True)
                 gc.collect()
     write_tables(out, budgets_asked)
+
+
+def unseen(source: str) -> list[str]:
+    """The domains a calibration source never saw: the other three for a domain, X for mix-X, none for mix."""
+    if source.startswith("mix-"):
+        return [source[4:]]
+    return [d for d in DOMAINS if d != source and source != "mix"]
 
 
 def _key(row: dict) -> tuple:
@@ -181,7 +194,7 @@ def _check_bytes(row: dict) -> None:
 def points_for(rows: list[dict], calib: str) -> tuple[list[Point], dict]:
     """Frontier points for one calibration source: ratio = worst over the domains it did not calibrate on."""
     reference = {r["domain"]: r["perplexity"] for r in rows if r["model"] == "original" and r["cache"] == "f16"}
-    scored = [d for d in DOMAINS if d != calib and d in reference]
+    scored = [d for d in unseen(calib) if d in reference]
     groups: dict[tuple, dict] = {}
     for r in rows:
         if r["model"] == "converted" and r["calib"] != calib:
@@ -198,8 +211,9 @@ def points_for(rows: list[dict], calib: str) -> tuple[list[Point], dict]:
         point = Point(label=label, kind=model, cache=cache, bytes=round(first["bytes"], 1), ratio=ratios[worst],
                       worst_domain=worst, latent_dim=first.get("latent_dim"), rope_dim=first.get("rope_dim"))
         points.append(point)
-        if calib in ratios:
-            in_domain[id(point)] = ratios[calib]
+        seen = [d for d in ratios if d not in scored]
+        if seen and model == "converted":
+            in_domain[id(point)] = max(ratios[d] for d in seen)
     return points, in_domain
 
 
@@ -220,11 +234,11 @@ def write_tables(out: Path, max_bytes: list[float]) -> None:
         points, in_domain = points_for(rows, calib)
         if not points:
             continue
-        scored = ", ".join(d for d in DOMAINS if d != calib)
+        scored = ", ".join(unseen(calib))
         lines += [f"## Calibrated on {calib}; ratio = worst of {scored} (text the calibration never saw)", ""]
         lines += markdown_table(points, reference)
         if in_domain:
-            lines += ["", f"In-domain ({calib}, the calibration's own kind of text; never the headline): " + ", ".join(
+            lines += ["", "In-domain (worst of the calibration's own kinds of text; never the headline): " + ", ".join(
                 f"{p.label} {p.cache} {in_domain[id(p)]:.3f}" for p in points if id(p) in in_domain)]
         lines += [""]
         for budget in max_bytes:

@@ -35,6 +35,7 @@ from transmla_tool.assets import DOMAINS, domain_splits, lee_corpus, smollm2_ggu
 from transmla_tool.convert import ConvertSettings, convert
 from transmla_tool.data import token_windows
 from transmla_tool.errors import UserError
+from transmla_tool.evaluate.frontier import parse_cache_types
 from transmla_tool.evaluate.models import load_model, load_tokenizer
 from transmla_tool.evaluate.perplexity import perplexity
 from transmla_tool.heal.train import HealSettings, heal
@@ -56,12 +57,22 @@ def main() -> None:
     parser.add_argument("--train", default="attention")
     parser.add_argument("--lm-weight", type=float, default=0.0)
     parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--cache-types", default="",
+                        help="after healing, place the conversion and the healed model on the frontier: llama.cpp "
+                        "perplexity on the held-out text under these cache types (e.g. f16,q8_0,q4_0; the original "
+                        "under the same types), beside the bytes each allocates (needs `make engines`)")
+    parser.add_argument("--frontier-chunks", type=int, default=16, help="llama-perplexity windows of 512 tokens")
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--save-every", type=int, default=25)
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     try:
         method = resolve_method("default", args.overrides)  # a bad --set fails here, before any work
+        cache_types = parse_cache_types(args.cache_types) if args.cache_types else []
+        if cache_types:
+            from transmla_tool.engines.llamacpp import llama_cpp_bin
+
+            llama_cpp_bin("llama-perplexity")  # before the conversion and the healing, not after
     except UserError as exc:
         raise SystemExit(str(exc)) from None
 
@@ -118,6 +129,33 @@ def main() -> None:
     rows = [json.loads(line) for line in (Path(f"{healed}.ckpt") / "log.jsonl").read_text().splitlines()]
     scored = f"held-out {heldout.name}" if args.data.startswith("mix-") else "held-out news"
     write_report(out, rows, original, summary, f"{args.data} ({scored}), lr {args.lr:g}, train {args.train}")
+    if cache_types:
+        place_on_frontier(out, model_dir, gguf, {"converted": converted, f"healed {summary['tokens']} tokens": healed},
+                          heldout, cache_types, args.frontier_chunks)
+
+
+def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, heldout: Path, cache_types: list[str],
+                      chunks: int) -> None:
+    """llama.cpp perplexity of the original and of each checkpoint on the held-out documents under each cache type:
+    where healing moves the model on the quality-per-byte frontier. Appends a table to heal.md, rows to frontier.json."""
+    import tempfile
+
+    from transmla_tool.evaluate.frontier import Point, markdown_table, score_in_llamacpp
+
+    text = out / "heldout.txt"
+    text.write_text("\n\n".join(json.loads(line)["text"] for line in heldout.read_text().splitlines() if line.strip()))
+    with tempfile.TemporaryDirectory() as tmp:
+        scored = score_in_llamacpp(model_dir, gguf, checkpoints, text, 512, chunks, cache_types, cache_types, tmp)
+    reference = scored["original"]["f16"]["perplexity"]
+    points = [Point(label=key, kind="original" if key == "original" else "converted", cache=entry,
+                    bytes=round(m["bytes"], 1), ratio=m["perplexity"] / reference)
+              for key, types in scored.items() for entry, m in types.items()]
+    (out / "frontier.json").write_text(json.dumps({"scored": scored, "chunks": chunks}, indent=2))
+    lines = ["", f"## Where it lands: llama.cpp perplexity on {heldout.name} per cache byte ({chunks} windows of 512)",
+             "", *markdown_table(points, scored["original"]["f16"]["bytes"])]
+    with open(out / "heal.md", "a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def write_report(out: Path, rows: list[dict], original: float, summary: dict, setup: str) -> None:

@@ -180,3 +180,71 @@ def test_crossdomain_refuses_an_unknown_calibration_source_before_any_work(tmp_p
     assert run.returncode != 0
     assert run.stderr.strip().splitlines()[-1].startswith("unknown calibration source 'newz'")
     assert not (tmp_path / "crossdomain.jsonl").exists()
+
+
+def _frontier_rows():
+    """Rows as eval/frontier.py writes them: the original on every domain, a conversion calibrated on news."""
+    ppl = {"news": 30.0, "forum": 28.0, "code": 13.0, "docs": 11.0}
+    rows = []
+    for cache, cost, size in (("f16", 1.0, 768.0), ("q8_0", 1.001, 408.0), ("q4_0", 1.06, 216.0)):
+        rows += [{"model": "original", "calib": "-", "config": "original", "budget": 0, "cache": cache, "domain": d,
+                  "perplexity": p * cost, "bytes": size, "analytic_bytes": size, "bytes_match_analytic": True}
+                 for d, p in ppl.items()]
+    for cache, cost, size in (("f16", 1.2, 384.0), ("q4_0", 1.25, 108.0)):
+        rows += [{"model": "converted", "calib": "news", "config": "default", "budget": 192, "latent_dim": 128,
+                  "rope_dim": 64, "cache": cache, "domain": d, "perplexity": p * cost * (1.1 if d == "docs" else 1.0),
+                  "bytes": size, "analytic_bytes": size, "bytes_match_analytic": True}
+                 for d, p in ppl.items() if d != "news"]
+    return rows
+
+
+def test_frontier_tables_take_the_worst_unseen_domain(tmp_path):
+    import json
+
+    frontier = _eval_module("frontier")
+    (tmp_path / "frontier.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _frontier_rows()))
+    frontier.write_tables(tmp_path, [216.0, 110.0])
+    text = (tmp_path / "frontier.md").read_text()
+    assert "## Calibrated on news; ratio = worst of forum, code, docs" in text
+    assert "| default 128 + 64 | q4_0 | 4.5 | 108 | 7.11 | 1.375 (docs) | yes |" in text  # 1.25 x 1.1 on docs
+    assert "| original | q4_0 | 4.5 | 216 | 3.56 | 1.060 (" in text
+    assert "at most 216 B/token/layer: do not convert, quantize the cache: original with a q4_0 cache" in text
+    assert "at most 110 B/token/layer: convert: default 128 + 64 with a q4_0 cache" in text
+    assert (tmp_path / "frontier-news.png").stat().st_size > 0
+    assert frontier.unseen("mix-code") == ["code"] and frontier.unseen("mix") == []
+    assert frontier.unseen("news") == ["forum", "code", "docs"]
+
+
+def test_frontier_refuses_bad_cache_types_before_any_work(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "eval" / "frontier.py"), "--output-dir", str(tmp_path / "f"),
+                          "--cache-types", "q8_0/q4_0"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "view of the cached latent" in run.stderr
+    assert not (tmp_path / "f").exists()
+
+
+def test_heal_benchmark_checks_cache_types_before_any_work(tmp_path):
+    run = _heal_script("--output-dir", str(tmp_path / "heal"), "--cache-types", "f16,q3_k")
+    assert run.returncode != 0 and "'q3_k' is not a cache type" in run.stderr
+    assert not (tmp_path / "heal").exists()
+
+
+def test_heal_benchmark_places_its_checkpoints_on_the_frontier(tmp_path, monkeypatch):
+    """place_on_frontier: every model under every cache type, ratio to the original's f16 perplexity, in heal.md."""
+    import json
+
+    heal_script = _eval_module("heal")
+    scored = {"original": {"f16": {"perplexity": 10.0, "bytes": 768.0}, "q4_0": {"perplexity": 10.6, "bytes": 216.0}},
+              "converted": {"f16": {"perplexity": 12.0, "bytes": 384.0}, "q4_0": {"perplexity": 12.5, "bytes": 108.0}},
+              "healed 4096 tokens": {"f16": {"perplexity": 11.0, "bytes": 384.0},
+                                     "q4_0": {"perplexity": 11.4, "bytes": 108.0}}}
+    import transmla_tool.evaluate.frontier as frontier
+
+    monkeypatch.setattr(frontier, "score_in_llamacpp", lambda *a, **k: scored)
+    heldout = tmp_path / "held.jsonl"
+    heldout.write_text(json.dumps({"text": "a b c"}) + "\n")
+    (tmp_path / "heal.md").write_text("# Healing\n")
+    heal_script.place_on_frontier(tmp_path, "dir", "f.gguf", {}, heldout, ["f16", "q4_0"], 4)
+    text = (tmp_path / "heal.md").read_text()
+    assert "| healed 4096 tokens | q4_0 | 4.5 | 108 | 7.11 | 1.140 | yes |" in text
+    assert "| original | q4_0 | 4.5 | 216 | 3.56 | 1.060 |" in text
+    assert json.loads((tmp_path / "frontier.json").read_text())["scored"] == scored

@@ -40,7 +40,9 @@ class Method:
     refine_queries: int = 128
     refine_windows: int = 128
     # Rounds of the closed-form value-path fit after the Adam steps (0 = none): o_proj and kv_b's value rows
-    # refitted by least squares for the attention the fit ended with (ops/value_solve.py).
+    # refitted by least squares for the attention the fit ended with (ops/value_solve.py). Off: it lowers the
+    # in-domain loss but fits the calibration text's value statistics; on SmolLM2 at 192/384 calibrated on news
+    # (200 steps) it took news -> docs from 1.518 to 1.628 (docs/crossdomain-rows-cpu-2026-11-25.jsonl).
     refine_value_solve: int = 0
     # Pull of the refinement toward its closed-form start (0 = none): anchor x mean relative squared change
     # of the weights, added to the fitted loss (a prior against over-fitting the calibration text).

@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gb", type=int, default=2)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, ...)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gb))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its caches are visible
@@ -53,7 +54,7 @@ def main() -> None:
     req = json.load(open(args.requests))
     start = time.time()
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True, seed=0,
-              enable_prefix_caching=False, max_num_seqs=8)
+              enable_prefix_caching=False, max_num_seqs=8, kv_cache_dtype=args.kv_cache_dtype)
     result = {"vllm": vllm.__version__, "load_s": round(time.time() - start, 1),
               "kv_cache": kv_cache_bytes_per_token(llm)}
 

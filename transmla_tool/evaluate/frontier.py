@@ -182,8 +182,9 @@ def points_from_sweep(result: dict) -> list[Point]:
 
 def score_in_llamacpp(original: str, gguf_file: str, checkpoints: dict, text_file, ctx: int, chunks: int,
                       original_types: list[str], converted_types: list[str], tmp) -> dict:
-    """{"original" | str(latent): {cache type: {"perplexity", "bytes"}}} measured by llama-perplexity: the
-    original GGUF re-typed to F32 (the values the conversion read), each checkpoint exported f32."""
+    """{"original" | str(key): {cache type: {"perplexity", "bytes"}}} measured by llama-perplexity for the
+    checkpoints {key: directory}: the original GGUF re-typed to F32 (the values the conversion read), each
+    checkpoint exported f32."""
     from pathlib import Path
 
     from ..engines.llamacpp import perplexity_per_cache_type, quantize
@@ -196,11 +197,11 @@ def score_in_llamacpp(original: str, gguf_file: str, checkpoints: dict, text_fil
     scored = {"original": perplexity_per_cache_type(source, text_file, ctx, chunks, types)}
     source.unlink()
     mla_types = list(dict.fromkeys(split_types(t)[0] for t in converted_types))
-    for latent, path in checkpoints.items():
-        model_file = tmp / f"latent{latent}-f32.gguf"
+    for key, path in checkpoints.items():
+        model_file = tmp / f"checkpoint-{key}-f32.gguf"
         exported = export_gguf(GGUFSettings(checkpoint=str(path), output=str(model_file), outtype="f32",
                                             tokenizer_gguf=str(Path(original) / gguf_file), overwrite=True))
-        scored[str(latent)] = perplexity_per_cache_type(model_file, text_file, ctx, chunks, mla_types,
-                                                        exported["run_flags"])
+        scored[str(key)] = perplexity_per_cache_type(model_file, text_file, ctx, chunks, mla_types,
+                                                     exported["run_flags"])
         model_file.unlink()
     return scored
