@@ -3,6 +3,8 @@
     python eval/scale.py --shape 8b --output-dir runs/scale-8b                 # whole 8B-shaped model
     python eval/scale.py --shape 70b --layers 2 --output-dir runs/scale-70b    # two 70B-shaped layers
     python eval/scale.py --shape 8b --device cuda --output-dir runs/scale-8b   # on a GPU
+    python eval/scale.py --shape 8b --layers 1 --method default --set refine_steps=20 --output-dir runs/scale-8b-refine
+                                                                                # time refinement steps per layer
 
 The checkpoint (random bf16 weights: speed and memory only, its quality means nothing) is written
 layer by layer, one shard per layer, never whole in memory. The conversion then runs in a child
@@ -124,6 +126,8 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=8)
     parser.add_argument("--calib-seq-len", type=int, default=256)
     parser.add_argument("--method", default="closed-form")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
+                        help="method setting passed to convert, e.g. refine_steps=20 to time a few refinement steps")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--output-dir", default="runs/scale")
@@ -144,7 +148,8 @@ def main() -> None:
     cmd = [sys.executable, "-m", "transmla_tool", "convert", "--model", str(src), "--output", str(dst),
            "--latent-dim", str(args.latent_dim), "--rope-dim", str(args.rope_dim), "--calib-data", str(lee_corpus()),
            "--calib-samples", str(args.calib_samples), "--calib-seq-len", str(args.calib_seq_len),
-           "--method", args.method, "--device", args.device, "--dtype", args.dtype, "--overwrite", "--no-progress"]
+           "--method", args.method, "--device", args.device, "--dtype", args.dtype, "--overwrite", "--no-progress",
+           *[a for pair in args.overrides for a in ("--set", pair)]]
     start = time.time()
     child = subprocess.Popen(cmd)
     sampler = ProcSampler(child.pid)
@@ -157,7 +162,8 @@ def main() -> None:
     summary = json.loads((dst / "conversion.json").read_text())
     result = {
         "shape": args.shape, "layers": layers, "source_gb_bf16": round(size_gb, 2),
-        "latent_dim": args.latent_dim, "rope_dim": args.rope_dim, "method": args.method, "device": args.device,
+        "latent_dim": args.latent_dim, "rope_dim": args.rope_dim, "method": args.method, "overrides": args.overrides,
+        "device": args.device, "refine_seconds_per_layer": [layer.get("refine_seconds") for layer in summary["layers"]],
         "calib_tokens": args.calib_samples * args.calib_seq_len, "wall_s": round(seconds, 1),
         "peak_mb_sampled": {k: round(v, 1) for k, v in sampler.peak.items()},
         "peak_rss_mb_child_reported": summary["peak_rss_mb"],

@@ -353,9 +353,7 @@ def _store_through(attention, store):
     import types
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-            apply_rotary_pos_emb_interleave,
-        )
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
 
         bsz, length, _ = hidden_states.shape
         heads, dn, dr, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
@@ -380,7 +378,7 @@ def test_pre_tokenizer_names_are_llama_cpps():
     """export-gguf's list of pre-tokenizer names is the one the built llama.cpp's loader accepts."""
     import re
 
-    from transmla_tool.gguf_export import LLAMA_CPP_PRE_TOKENIZERS
+    from transmla_tool.gguf_tokenizer import LLAMA_CPP_PRE_TOKENIZERS
 
     source = _llamacpp_or_skip().parents[2] / "src" / "llama-vocab.cpp"
     known = set(re.findall(r'tokenizer_pre == "([^"]+)"', source.read_text()))

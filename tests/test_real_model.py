@@ -113,3 +113,18 @@ def test_absorbed_decode_equals_stock_on_smollm2(smollm2_converted):
     assert steps == 8 * model.config.num_hidden_layers  # every decode step of every layer ran on the latent
     assert float((absorbed - stock).norm() / stock.norm()) < 1e-5
     assert torch.equal(absorbed.argmax(-1), stock.argmax(-1))
+
+
+def test_gguf_original_saved_for_vllm_computes_the_same(tmp_path):
+    """`eval --engine vllm` hands vLLM a GGUF original as a safetensors directory: transformers refuses to save a
+    GGUF-loaded model (it marks it quantized); the directory written instead gives the same logits."""
+    from transmla_tool.evaluate.backends.vllm import _as_directory
+
+    model_dir, gguf = smollm2_gguf()
+    out = _as_directory(model_dir, gguf, str(tmp_path))
+    ids = torch.tensor([[1, 504, 3537, 314, 260, 1812, 29, 1002]])
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf, dtype=torch.float32)(ids).logits
+        b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
+    assert torch.equal(a, b)
+    assert "quantization_config" not in json.loads((tmp_path / "original" / "config.json").read_text())

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from transmla_tool.cli import build_parser, expand_config, main
+from transmla_tool.cli import build_parser, main
+from transmla_tool.config_file import expand_config
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import json
-import resource
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from . import __version__
 from .arch import AttentionGeometry, check_supported
 from .arch.families import EMBED, FINAL_NORM, LAYER_PASSTHROUGH, LAYER_PREFIX, LM_HEAD
 from .calibrate import SourceLayers, run_layer_with_attention, run_source_layer
 from .data import token_windows
 from .devices import resolve_device, resolve_dtype
-from .engines import ENGINE_TARGETS, check_engines, drops_biases, servability
+from .engines import ENGINE_TARGETS, check_engines, drops_biases
 from .errors import UserError
 from .export import attention_prefix, deepseek_config, planned_state_dict, residual_scale, scale_residual_writers
 from .io.resume import RESUME_DIR, load_resume, save_resume
@@ -32,6 +30,7 @@ from .memory import Stages
 from .methods import PRESETS, Method
 from .model_card import write_model_card
 from .ops.mla import mla_attention
+from .summary import conversion_summary
 
 # web text, code and dialogue (streamed from the hub): a calibration mix, since statistics from one
 # kind of text transfer badly to others (see the README's cross-domain table)
@@ -183,48 +182,12 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
             t.config.save_pretrained(t.staging)
             tokenizer.save_pretrained(t.staging)
             generation_config.save_pretrained(t.staging)
-            summary = {
-                "tool": "transmla_tool",
-                "version": __version__,
-                "source": _source_name(settings),
-                "family": geometry.family.name,
-                "settings": _settings_dict(replace(settings, latent_dim=t.latent_dim, output=t.output), ids),
-                "dtype": str(out_dtype).replace("torch.", ""),
-                "cache_values_per_token_per_layer": {
-                    "original": geometry.cache_values_per_token_per_layer,
-                    "converted": t.config.kv_lora_rank + settings.rope_dim,
-                },
-                "original_kv_heads": geometry.num_kv_heads,
-                "original_head_dim": geometry.head_dim,
-                # every output norm uses eps 1e-6; the source's own eps is kept exactly by scaling the residual
-                # stream (export.residual_scale)
-                "source_rms_norm_eps": geometry.rms_norm_eps,
-                "residual_scale": residual_scale(geometry.rms_norm_eps),
-                "servable": servability(t.config),
-                "warnings": warnings,
-                # 0 when every rotary slot turns at its source frequency; > 0 for a scaled rope mapped onto
-                # DeepSeek YaRN (--target vllm): the largest |log(frequency ratio)| over the slots
-                "rope_slot_max_log_error": round(t.rope_slot_max_log_error, 6),
-                "layers": t.reports,
-                "wall_time_s": round(time.time() - start, 1),
-                # the stages reset the kernel's peak RSS counter: the overall peak is the max over them
-                "peak_rss_mb": round(max(stage.overall_rss_mb, peak_rss_mb()), 1),
-                "peak_gpu_mb": (round(max(stage.peak_gpu_mb.values(), default=0.0), 1)
-                                if device.type == "cuda" else None),
-                "stages": stage.as_dict(),
-            }
+            summary = conversion_summary(settings, geometry, t, ids, out_dtype, warnings, stage, device, start)
             with open(Path(t.staging) / "conversion.json", "w") as f:
                 json.dump(summary, f, indent=2)
             write_model_card(Path(t.staging), summary, t.config)
             summaries[t.latent_dim] = summary
     return summaries
-
-
-def _settings_dict(settings: ConvertSettings, ids) -> dict:
-    out = {k: v for k, v in asdict(settings).items() if k not in ("method", "progress", "overwrite")}
-    out["method"] = settings.method.as_dict()
-    out["calib_tokens"] = int(ids.numel())
-    return out
 
 
 def _convert_weights(settings, source, geometry, targets, ids, device, resumed=None, on_layer=None,
@@ -309,14 +272,3 @@ def layer_tensors(i: int, attention: dict, layer, scale: float) -> dict:
     for name in LAYER_PASSTHROUGH:
         group[LAYER_PREFIX.format(i=i) + name] = layer.get_parameter(name)
     return scale_residual_writers(group, scale)
-
-
-def peak_rss_mb() -> float:
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
-def _source_name(settings: ConvertSettings) -> str:
-    """The source as recorded in conversion.json: a hub id as given, a local path made absolute (so
-    export-gguf finds a source GGUF from any working directory)."""
-    model = str(Path(settings.model).resolve()) if Path(settings.model).exists() else settings.model
-    return f"{model}/{settings.gguf_file}" if settings.gguf_file else model

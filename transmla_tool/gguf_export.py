@@ -25,26 +25,12 @@ import numpy as np
 import torch
 
 from .errors import UserError
+from .gguf_tokenizer import LLAMA_CPP_PRE_TOKENIZERS, write_tokenizer
 
 OUTTYPES = ("f32", "bf16", "f16", "q8_0")
 # tensors too small in magnitude for f16 or quantized blocks (see module doc)
 KEEP_PRECISE = ("attn_kv_a_mqa",)
 QUANTIZE_HINT = "llama-quantize --tensor-type attn_kv_a_mqa=bf16 {src} {dst} Q8_0"
-# The pre-tokenizer names llama.cpp's loader knows (src/llama-vocab.cpp of the llama-cpp-python 0.3.36 sdist; any
-# other name makes it refuse the file). tests/test_engines.py checks this list against the built source.
-LLAMA_CPP_PRE_TOKENIZERS = (
-    "a.x-4.0", "afmoe", "bailingmoe", "bailingmoe2", "bloom", "chameleon", "chatglm-bpe", "codeshell", "cohere2moe",
-    "command-r", "dbrx", "deepseek-coder", "deepseek-llm", "deepseek-r1-qwen", "deepseek-v3", "default", "exaone",
-    "exaone-moe", "exaone4", "f2llmv2", "falcon", "falcon-h1", "falcon3", "gemma4", "gigachat", "glm4", "glm5",
-    "gpt-2", "gpt-4o", "gpt3-finnish", "granite-docling", "granite-embed-multi-311m", "granite-embed-multi-97m",
-    "grok-2", "hunyuan", "hunyuan-dense", "hy_v4", "jais", "jais-2", "jina-de", "jina-es", "jina-v1-en",
-    "jina-v2-code", "jina-v2-de", "jina-v2-es", "jina-v5-nano", "joyai-llm", "kanana2", "kimi-k2", "kormo", "laguna",
-    "lfm2", "llada-moe", "llama-bpe", "llama-v3", "llama3", "llama4", "megrez", "mellum", "mellum2", "midm-2.0",
-    "minerva-7b", "minicpm5", "minimax-m2", "modern-bert", "mpt", "olmo", "phi-2", "pixtral", "poro-chat", "qwen2",
-    "qwen35", "refact", "roberta-bpe", "sarvam-moe", "seed-coder", "smaug-bpe", "smollm", "solar-open", "spark2_5",
-    "stablelm2", "starcoder", "superbpe", "talkie", "tekken", "tiny_aya", "trillion", "ufakzeka", "viking",
-    "whitespace", "youtu",
-)
 REQUIRED_CONFIG = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
                    "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "max_position_embeddings",
                    "rms_norm_eps")
@@ -75,14 +61,14 @@ def export_gguf(settings: GGUFSettings) -> dict:
     if settings.tokenizer_pre is not None and settings.tokenizer_pre not in LLAMA_CPP_PRE_TOKENIZERS:
         raise UserError(f"--tokenizer-pre {settings.tokenizer_pre!r} is not a pre-tokenizer llama.cpp knows (it would "
                         "refuse the file); use one of: llama-bpe (Llama 3), qwen2, smollm, gpt-2, ... (see "
-                        "LLAMA_CPP_PRE_TOKENIZERS in transmla_tool/gguf_export.py)")
+                        "LLAMA_CPP_PRE_TOKENIZERS in transmla_tool/gguf_tokenizer.py)")
     tokenizer_source = _tokenizer_source(ckpt, settings)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial")
     writer = gguf.GGUFWriter(partial, "deepseek2")
     try:
         _write_metadata(writer, config, settings.outtype, ckpt.name)
-        _write_tokenizer(writer, ckpt, tokenizer_source, settings.tokenizer_pre, config["vocab_size"])
+        write_tokenizer(writer, ckpt, tokenizer_source, settings.tokenizer_pre, config["vocab_size"])
         tensors = _write_tensors(writer, ckpt, config, settings.outtype)
         writer.close()
         os.replace(partial, out)
@@ -201,57 +187,6 @@ def _write_metadata(writer, config: dict, outtype: str, name: str) -> None:
                  "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-
-
-def _write_tokenizer(writer, ckpt: Path, source_gguf: str | None, pre: str | None, vocab_size: int) -> None:
-    import gguf
-
-    if source_gguf:
-        try:
-            reader = gguf.GGUFReader(source_gguf)
-        except (ValueError, OSError, KeyError) as exc:
-            raise UserError(f"--tokenizer-gguf {source_gguf} is not a readable GGUF file ({exc})") from exc
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        count = len(tokens.data) if tokens is not None else 0
-        if tokens is not None and count != vocab_size:
-            raise UserError(f"--tokenizer-gguf {source_gguf} has {count} tokens but the checkpoint's vocab_size is "
-                            f"{vocab_size}: pass a GGUF of the model this checkpoint was converted from")
-        copied = 0
-        for key, field in reader.fields.items():
-            if not key.startswith("tokenizer."):
-                continue
-            kind = field.types[0]
-            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), kind, sub_type=sub)
-            copied += 1
-        if not copied:
-            raise UserError(f"{source_gguf} holds no tokenizer; pass another --tokenizer-gguf or --tokenizer-pre")
-        return
-    if not (ckpt / "tokenizer.json").exists():
-        raise UserError(f"{ckpt} has no tokenizer.json; pass --tokenizer-gguf <a GGUF of the source model>")
-    try:
-        vocab = gguf.vocab.BpeVocab(ckpt)
-    except Exception as exc:  # not a byte-level BPE tokenizer (e.g. SentencePiece)
-        raise UserError(f"cannot build a llama.cpp vocabulary from {ckpt}/tokenizer.json ({exc}); pass "
-                        "--tokenizer-gguf <a GGUF of the source model>") from exc
-    tokens, scores, types = [], [], []
-    for text, score, kind in vocab.all_tokens():
-        tokens.append(text)
-        scores.append(score)
-        types.append(kind)
-    if len(tokens) > vocab_size:
-        raise UserError(f"{ckpt}/tokenizer.json has {len(tokens)} tokens, more than the checkpoint's vocab_size "
-                        f"{vocab_size}")
-    # the embedding has vocab_size rows (Qwen2.5: 151,936 for ~151,665 tokens): llama.cpp wants one token per row,
-    # so the rest are unused placeholders, as llama.cpp's own converter writes them
-    for i in range(len(tokens), vocab_size):
-        tokens.append(f"[PAD{i}]")
-        types.append(gguf.TokenType.UNUSED)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    gguf.SpecialVocab(ckpt, load_merges=True, n_vocab=len(tokens)).add_to_gguf(writer)
 
 
 def _tensors(ckpt: Path, config: dict):

@@ -68,3 +68,10 @@ class Stages:
         return {name: {"seconds": round(sec, 2), "peak_rss_mb": round(self.peak_rss_mb.get(name, 0.0), 1),
                        **({"peak_gpu_mb": round(self.peak_gpu_mb[name], 1)} if name in self.peak_gpu_mb else {})}
                 for name, sec in self.seconds.items()}
+
+
+def stage_line(stages: dict) -> str:
+    """'refine 700.1 s (81%), source forward 109.0 s (13%), ...': the conversion's stages by time, largest first."""
+    total = sum(v["seconds"] for v in stages.values()) or 1.0
+    ordered = sorted(stages.items(), key=lambda kv: -kv[1]["seconds"])
+    return ", ".join(f"{name} {v['seconds']:.1f} s ({v['seconds'] / total:.0%})" for name, v in ordered)

@@ -25,7 +25,13 @@ def _as_directory(path: str, gguf_file: str | None, tmp: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = Path(tmp) / "original"
-    AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32).save_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
+    # transformers (5.24 at least) marks a GGUF-loaded model as quantized and refuses to save it, though its weights are
+    # already dequantized: what is saved is exactly what it computes with
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
     AutoTokenizer.from_pretrained(path, gguf_file=gguf_file).save_pretrained(out)
     return str(out)
 
