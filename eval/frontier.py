@@ -247,8 +247,37 @@ def write_tables(out: Path, max_bytes: list[float]) -> None:
         lines += [""]
         plot(points, reference, out / f"frontier-{calib}.png",
              f"SmolLM2-135M in llama.cpp, calibrated on {calib}: worst of {scored}")
+    lines += commands(rows, out)
     (out / "frontier.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def commands(rows: list[dict], out: Path) -> list[str]:
+    """The command that (re)makes each group of rows: a rerun with the same names measures only what is missing."""
+    lines = ["## How each row was made", "",
+             "Each point is llama-perplexity on a domain's held-out text with the cache flags of its row "
+             "(`llama-perplexity -m MODEL.gguf -f text/DOMAIN.txt -c CTX --chunks N -fa on -ctk K -ctv V`), "
+             "the converted GGUFs written by `transmla-tool export-gguf --outtype f32`. These commands made the rows:",
+             "", "```bash"]
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["model"], r["calib"], r["config"])
+        group = groups.setdefault(key, {"budgets": set(), "caches": set(), "row": r})
+        group["budgets"].add(r["budget"])
+        group["caches"].add(r["cache"])
+    for (model, calib, config), group in groups.items():
+        r, caches = group["row"], ",".join(sorted(group["caches"], key=str))
+        base = f"python eval/frontier.py --output-dir {out} --chunks {r['chunks']} --ctx {r['ctx']}"
+        if model == "original":
+            lines.append(f"{base} --configs '' --original-cache-types {caches}")
+            continue
+        spec = r["preset"] + (":" + ",".join(r["overrides"]) if r.get("overrides") else "")
+        budgets = ",".join(str(b) for b in sorted(group["budgets"]))
+        samples = f" --calib-samples {r['calib_samples']}" if r.get("calib_samples") != ConvertSettings.calib_samples else ""
+        samples += f" --rope-dim {r['rope_dim']}" if r.get("rope_dim", 64) != 64 else ""
+        lines.append(f'{base} --calib {calib}{samples} --budgets {budgets} --configs "{config}={spec}" '
+                     f"--cache-types {caches}")
+    return [*lines, "```", ""]
 
 
 if __name__ == "__main__":

@@ -398,6 +398,37 @@ def _store_through(attention, store):
     attention.forward = types.MethodType(forward, attention)
 
 
+def test_sweep_in_llamacpp_recommends_from_measured_points(tmp_path):
+    """`sweep --engine llamacpp --max-cache-bytes`: each latent and the original scored in llama.cpp under each cache
+    type, bytes as allocated, and the recommendation is the best measured point that fits the budget."""
+    import json
+
+    from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
+    from transmla_tool.cli import main
+
+    _llamacpp_or_skip()
+    model_dir, gguf = smollm2_gguf()
+    calib, heldout = split_documents(lee_corpus(), tmp_path / "data")
+    out = tmp_path / "sweep"
+    assert main(["sweep", "--model", model_dir, "--gguf-file", gguf, "--latent-dims", "64,128", "--output-dir", str(out),
+                 "--calib-data", str(calib), "--calib-samples", "8", "--calib-seq-len", "256", "--data", str(heldout),
+                 "--seq-len", "512", "--max-tokens", "2048", "--method", "closed-form", "--target", "llamacpp",
+                 "--engine", "llamacpp", "--cache-types", "f16,q8_0,q4_0", "--max-cache-bytes", "230",
+                 "--device", "cpu", "--dtype", "float32", "--no-progress"]) == 0
+    result = json.loads((out / "sweep.json").read_text())
+    sizes = {key: {t: round(m["bytes"]) for t, m in types.items()} for key, types in result["cache_types"].items()}
+    assert sizes == {"original": {"f16": 768, "q8_0": 408, "q4_0": 216}, "64": {"f16": 256, "q8_0": 136, "q4_0": 72},
+                     "128": {"f16": 384, "q8_0": 204, "q4_0": 108}}, sizes
+    reference = result["cache_types"]["original"]["f16"]["perplexity"]
+    fits = [(m["perplexity"] / reference, key, t) for key, types in result["cache_types"].items()
+            for t, m in types.items() if m["bytes"] <= 230]
+    best = min(fits)
+    point = result["recommendation"]["point"]
+    assert (point["cache"], point["latent_dim"]) == (best[2], None if best[1] == "original" else int(best[1]))
+    print(result["recommendation"]["advice"])
+    assert "Recommendation" in (out / "sweep.md").read_text() and (out / "sweep.png").exists()
+
+
 def test_pre_tokenizer_names_are_llama_cpps():
     """export-gguf's list of pre-tokenizer names is the one the built llama.cpp's loader accepts."""
     import re

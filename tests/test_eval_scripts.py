@@ -186,14 +186,15 @@ def _frontier_rows():
     """Rows as eval/frontier.py writes them: the original on every domain, a conversion calibrated on news."""
     ppl = {"news": 30.0, "forum": 28.0, "code": 13.0, "docs": 11.0}
     rows = []
+    common = {"chunks": 16, "ctx": 512}
     for cache, cost, size in (("f16", 1.0, 768.0), ("q8_0", 1.001, 408.0), ("q4_0", 1.06, 216.0)):
         rows += [{"model": "original", "calib": "-", "config": "original", "budget": 0, "cache": cache, "domain": d,
-                  "perplexity": p * cost, "bytes": size, "analytic_bytes": size, "bytes_match_analytic": True}
+                  "perplexity": p * cost, "bytes": size, "analytic_bytes": size, "bytes_match_analytic": True, **common}
                  for d, p in ppl.items()]
     for cache, cost, size in (("f16", 1.2, 384.0), ("q4_0", 1.25, 108.0)):
-        rows += [{"model": "converted", "calib": "news", "config": "default", "budget": 192, "latent_dim": 128,
-                  "rope_dim": 64, "cache": cache, "domain": d, "perplexity": p * cost * (1.1 if d == "docs" else 1.0),
-                  "bytes": size, "analytic_bytes": size, "bytes_match_analytic": True}
+        rows += [{"model": "converted", "calib": "news", "config": "default", "preset": "default", "overrides": [],
+                  "budget": 192, "latent_dim": 128, "rope_dim": 64, "calib_samples": 32, "cache": cache, "domain": d, "perplexity": p * cost * (1.1 if d == "docs" else 1.0),
+                  "bytes": size, "analytic_bytes": size, "bytes_match_analytic": True, **common}
                  for d, p in ppl.items() if d != "news"]
     return rows
 
@@ -211,6 +212,10 @@ def test_frontier_tables_take_the_worst_unseen_domain(tmp_path):
     assert "at most 216 B/token/layer: do not convert, quantize the cache: original with a q4_0 cache" in text
     assert "at most 110 B/token/layer: convert: default 128 + 64 with a q4_0 cache" in text
     assert (tmp_path / "frontier-news.png").stat().st_size > 0
+    # every group of rows with the command that remakes it (a rerun measures only what is missing)
+    assert (f"python eval/frontier.py --output-dir {tmp_path} --chunks 16 --ctx 512 --calib news --calib-samples 32 "
+            '--budgets 192 --configs "default=default" --cache-types f16,q4_0') in text
+    assert "--configs '' --original-cache-types f16,q4_0,q8_0" in text
     assert frontier.unseen("mix-code") == ["code"] and frontier.unseen("mix") == []
     assert frontier.unseen("news") == ["forum", "code", "docs"]
 
