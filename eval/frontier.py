@@ -71,6 +71,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="conversion device")
     parser.add_argument("--keep-gguf", action="store_true", help="keep each converted GGUF under <output-dir>/gguf")
     parser.add_argument("--table-only", action="store_true", help="rebuild frontier.md/.png, measure nothing")
+    parser.add_argument("--plot-configs", default="",
+                        help="comma-separated configuration names the plot shows beside the original (default: all; "
+                        "the table always has every row)")
     parser.add_argument("--max-cache-bytes", default="216,110",
                         help="comma-separated byte budgets the table recommends a configuration for")
     args = parser.parse_args()
@@ -86,7 +89,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = out / "frontier.jsonl"
     if args.table_only:
-        write_tables(out, budgets_asked)
+        write_tables(out, budgets_asked, _names(args.plot_configs))
         return
 
     from transmla_tool.engines.llamacpp import cache_flags, llama_cpp_version, perplexity, quantize
@@ -159,7 +162,7 @@ def main() -> None:
                 if not args.keep_gguf:
                     model_file.unlink(missing_ok=True)
                 gc.collect()
-    write_tables(out, budgets_asked)
+    write_tables(out, budgets_asked, _names(args.plot_configs))
 
 
 def unseen(source: str) -> list[str]:
@@ -217,7 +220,11 @@ def points_for(rows: list[dict], calib: str) -> tuple[list[Point], dict]:
     return points, in_domain
 
 
-def write_tables(out: Path, max_bytes: list[float]) -> None:
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | None = None) -> None:
     rows = _read(out / "frontier.jsonl")
     if not rows:
         raise SystemExit(f"{out / 'frontier.jsonl'} holds no rows yet")
@@ -245,8 +252,11 @@ def write_tables(out: Path, max_bytes: list[float]) -> None:
             _, advice = recommend(points, budget)
             lines += [f"- at most {budget:g} B/token/layer: {advice}"]
         lines += [""]
-        plot(points, reference, out / f"frontier-{calib}.png",
-             f"SmolLM2-135M in llama.cpp, calibrated on {calib}: worst of {scored}")
+        shown = [p for p in points if p.kind == "original" or not plot_configs
+                 or p.label.rsplit(" ", 3)[0] in plot_configs]
+        subset = " (frontier: points shown)" if len(shown) < len(points) else ""
+        plot(shown, reference, out / f"frontier-{calib}.png",
+             f"SmolLM2-135M in llama.cpp, calibrated on {calib}: worst of {scored}{subset}")
     lines += commands(rows, out)
     (out / "frontier.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

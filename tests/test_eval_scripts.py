@@ -199,7 +199,7 @@ def _frontier_rows():
     return rows
 
 
-def test_frontier_tables_take_the_worst_unseen_domain(tmp_path):
+def test_frontier_tables_take_the_worst_unseen_domain(tmp_path, monkeypatch):
     import json
 
     frontier = _eval_module("frontier")
@@ -216,6 +216,12 @@ def test_frontier_tables_take_the_worst_unseen_domain(tmp_path):
     assert (f"python eval/frontier.py --output-dir {tmp_path} --chunks 16 --ctx 512 --calib news --calib-samples 32 "
             '--budgets 192 --configs "default=default" --cache-types f16,q4_0') in text
     assert "--configs '' --original-cache-types f16,q4_0,q8_0" in text
+    plotted = []
+    monkeypatch.setattr(frontier, "plot", lambda points, *a: plotted.append({p.label for p in points}))
+    frontier.write_tables(tmp_path, [216.0], plot_configs=["another"])  # the plot shows the original alone
+    frontier.write_tables(tmp_path, [216.0], plot_configs=["default"])
+    assert plotted == [{"original"}, {"original", "default 128 + 64"}]
+    assert "| default 128 + 64 | q4_0 |" in (tmp_path / "frontier.md").read_text()  # the table keeps every row
     assert frontier.unseen("mix-code") == ["code"] and frontier.unseen("mix") == []
     assert frontier.unseen("news") == ["forum", "code", "docs"]
 
