@@ -321,6 +321,7 @@ def test_eval_in_llamacpp(tmp_path):
     assert "re-typed by llama-quantize" in (tmp_path / "report-f32" / "report.md").read_text()
 
 
+@pytest.mark.slow  # the real SmolLM2: kept out of the oldest-transformers run
 def test_eval_in_llamacpp_cache_types(tmp_path):
     """`eval --engine llamacpp --cache-types`: both models under llama.cpp's cache types. The bytes it allocates
     are the types' (SmolLM2: 2 x 192 values; the converted row 128 + 64, values a view of it), the latent takes a
@@ -398,6 +399,7 @@ def _store_through(attention, store):
     attention.forward = types.MethodType(forward, attention)
 
 
+@pytest.mark.slow  # the real SmolLM2: kept out of the oldest-transformers run
 def test_sweep_in_llamacpp_recommends_from_measured_points(tmp_path):
     """`sweep --engine llamacpp --max-cache-bytes`: each latent and the original scored in llama.cpp under each cache
     type, bytes as allocated, and the recommendation is the best measured point that fits the budget."""
