@@ -210,3 +210,18 @@ def test_demo_checks_its_flags_before_converting(capsys, tmp_path, monkeypatch):
     code = main(["demo", "--output-dir", str(tmp_path / "d"), "--contexts", "1024,0", "--device", "cpu"])
     assert code == 2 and "--contexts must be positive" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_demo_prints_the_conversion_time_per_stage(capsys, tmp_path, monkeypatch):
+    """The demo says where its conversion time went, as `convert` does (the conversion and evaluation are stubbed:
+    what is checked is what the demo prints from the conversion summary)."""
+    from transmla_tool import demo
+
+    stages = {"refine": {"seconds": 30.0, "peak_rss_mb": 1.0}, "statistics": {"seconds": 10.0, "peak_rss_mb": 1.0}}
+    monkeypatch.setattr(demo, "smollm2_gguf", lambda: ("model-dir", "model.gguf"))
+    monkeypatch.setattr(demo, "convert", lambda settings: {"wall_time_s": 40.0, "peak_rss_mb": 1.0, "stages": stages})
+    monkeypatch.setattr(demo, "run_eval", lambda settings: {})
+    monkeypatch.setattr(demo, "markdown", lambda report: "")
+    demo.run_demo(demo.DemoSettings(output_dir=str(tmp_path / "d"), device="cpu", task_examples=4))
+    out = capsys.readouterr().out
+    assert "time per stage: refine 30.0 s (75%), statistics 10.0 s (25%)" in out, out

@@ -21,6 +21,7 @@ from .convert import ConvertSettings, convert
 from .evaluate.local_task import build_cloze_task
 from .evaluate.report import markdown
 from .evaluate.run import EvalSettings, check_settings, run_eval
+from .memory import stage_line
 from .methods import resolve_method
 
 
@@ -72,6 +73,7 @@ def run_demo(settings: DemoSettings) -> dict:
         progress=settings.progress,
     ))
     print(f"      done in {summary['wall_time_s']} s, peak RSS {summary['peak_rss_mb']} MB")
+    print("      time per stage: " + stage_line(summary["stages"]))
     print(f"[2/2] evaluating original vs converted on held-out text of the four domains ({out / 'data'})")
     report = run_eval(evaluation)
     report["conversion"] = {"wall_time_s": summary["wall_time_s"], "peak_rss_mb": summary["peak_rss_mb"]}
