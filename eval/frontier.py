@@ -72,8 +72,8 @@ def main() -> None:
     parser.add_argument("--keep-gguf", action="store_true", help="keep each converted GGUF under <output-dir>/gguf")
     parser.add_argument("--table-only", action="store_true", help="rebuild frontier.md/.png, measure nothing")
     parser.add_argument("--plot-configs", default="",
-                        help="comma-separated configuration names the plot shows beside the original (default: all; "
-                        "the table always has every row)")
+                        help="';'-separated configuration names (as in --configs) the plot shows beside the original "
+                        "(default: all; the table always has every row)")
     parser.add_argument("--max-cache-bytes", default="216,110",
                         help="comma-separated byte budgets the table recommends a configuration for")
     args = parser.parse_args()
@@ -221,7 +221,7 @@ def points_for(rows: list[dict], calib: str) -> tuple[list[Point], dict]:
 
 
 def _names(text: str) -> list[str]:
-    return [n.strip() for n in text.split(",") if n.strip()]
+    return [n.strip() for n in text.split(";") if n.strip()]
 
 
 def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | None = None) -> None:
@@ -276,7 +276,7 @@ def commands(rows: list[dict], out: Path) -> list[str]:
         group["budgets"].add(r["budget"])
         group["caches"].add(r["cache"])
     for (model, calib, config), group in groups.items():
-        r, caches = group["row"], ",".join(sorted(group["caches"], key=str))
+        r, caches = group["row"], ",".join(sorted(group["caches"]))
         base = f"python eval/frontier.py --output-dir {out} --chunks {r['chunks']} --ctx {r['ctx']}"
         if model == "original":
             lines.append(f"{base} --configs '' --original-cache-types {caches}")
