@@ -10,6 +10,8 @@ import pytest
 import torch
 
 DATA = Path(__file__).parent / "data" / "tiny.txt"
+# families whose conversion rewrites norm weights ((1 + w), q/k norms): their fixtures get random norm weights
+NORM_FOLDING_FAMILIES = ("gemma", "granite", "phi3", "qwen3")
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +30,7 @@ def text_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -46,7 +48,15 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 def build_config(family: str, *, vocab: int, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
                  hidden: int = 64, layers: int = 2, rope_scaling: bool = False, attention_bias: bool = False,
                  rms_norm_eps: float = 1e-6):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        GemmaConfig,
+        GraniteConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -66,6 +76,18 @@ def build_config(family: str, *, vocab: int, heads: int = 4, kv_heads: int = 2, 
         return MistralConfig(**common, rope_parameters=rope, sliding_window=None)
     if family == "qwen2":
         return Qwen2Config(**common, rope_parameters=rope, use_sliding_window=False)
+    if family == "qwen3":
+        return Qwen3Config(**common, rope_parameters=rope, use_sliding_window=False, attention_bias=attention_bias)
+    if family == "granite":  # multipliers far from 1 (Granite 3.x: 12, 1/128, 0.22, 8) and tied embeddings
+        common["tie_word_embeddings"] = True
+        return GraniteConfig(**common, rope_parameters=rope, attention_bias=attention_bias, embedding_multiplier=12.0,
+                             attention_multiplier=1 / 128, residual_multiplier=0.22, logits_scaling=8.0)
+    if family == "phi3":
+        return Phi3Config(**common, rope_parameters=rope, pad_token_id=None, sliding_window=None)
+    if family == "gemma":  # tied embeddings scaled by sqrt(hidden), (1 + w) norms, GeGLU
+        common["tie_word_embeddings"] = True
+        return GemmaConfig(**common, rope_parameters=rope, attention_bias=attention_bias,
+                           hidden_act="gelu_pytorch_tanh")
     raise ValueError(family)
 
 
@@ -88,6 +110,8 @@ def make_model(tmp_path_factory, tokenizer_dir):
             for name, param in model.named_parameters():
                 if name.endswith("bias"):
                     param.normal_(0.0, 0.5)  # real biases (Qwen2's are large), not zeros
+                elif "norm" in name and family in NORM_FOLDING_FAMILIES:  # trained norms are not at their init
+                    param.add_(torch.empty_like(param).uniform_(-0.3, 0.3))
         path = tmp_path_factory.mktemp(f"{family}-model")
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)

@@ -68,15 +68,34 @@ def test_existing_output_needs_overwrite(capsys, base_args, tmp_path):
 
 
 def test_unsupported_family(capsys, base_args, tmp_path, tokenizer_dir):
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    """Gemma 2 normalizes sublayer outputs: refused with that reason, nothing written."""
+    from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM
 
-    config = Qwen3Config(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    path = tmp_path / "qwen3"
-    Qwen3ForCausalLM(config).save_pretrained(path)
+    config = Gemma2Config(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    path = tmp_path / "gemma2"
+    Gemma2ForCausalLM(config).save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
     code, err = _run(capsys, base_args(**{"--model": str(path)}))
-    assert code == 2 and "model_type 'qwen3' is unsupported because" in err and "q/k RMSNorm" in err
+    assert code == 2 and "model_type 'gemma2' is unsupported because" in err and "post-" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_phi3_longrope_refused(capsys, base_args, tmp_path, tokenizer_dir):
+    """Phi-3's LongRoPE (the 128K models) has no DeepSeek-V3 rotary form: refused, naming the rope type."""
+    from transformers import AutoTokenizer, Phi3Config, Phi3ForCausalLM
+
+    half = 8  # head_dim 16: LongRoPE has one factor per rotary pair
+    config = Phi3Config(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, pad_token_id=None, max_position_embeddings=512,
+                        original_max_position_embeddings=128,
+                        rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * half,
+                                      "long_factor": [2.0] * half})
+    path = tmp_path / "phi3"
+    Phi3ForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+    code, err = _run(capsys, base_args(**{"--model": str(path)}))
+    assert code == 2 and "rope_type 'longrope' is unsupported" in err
 
 
 def test_sliding_window_refused_unless_asked(capsys, base_args, tmp_path, tokenizer_dir):

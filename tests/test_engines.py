@@ -44,10 +44,11 @@ def _transformers_reference(model_dir, prompts, windows):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     greedy = []
     with torch.no_grad():
-        for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False,
-                                 min_new_tokens=GREEDY_TOKENS)
-            greedy.append(out[0, len(ids):].tolist())
+        for ids in prompts:  # argmax without stopping at EOS, as vLLM's ignore_eos (min_new_tokens would mask EOS)
+            tokens = list(ids)
+            for _ in range(GREEDY_TOKENS):
+                tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+            greedy.append(tokens[len(ids):])
         logits = model(torch.tensor(windows)).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                 torch.tensor(windows)[:, 1:].reshape(-1), reduction="sum")
@@ -142,6 +143,9 @@ def test_vllm_fp8_cache_on_the_converted_model(smollm2_320):
     ("llama", dict(kv_heads=1)),
     ("mistral", dict(kv_heads=2)),
     ("llama", dict(kv_heads=2, rope_scaling=True)),  # Llama-3 scaling mapped onto DeepSeek YaRN (--target vllm)
+    ("granite", dict(kv_heads=2)),  # multipliers folded
+    ("phi3", dict(kv_heads=2)),  # fused tensors split
+    ("qwen3", dict(kv_heads=2)),  # q/k norms approximated (the engine must still equal transformers)
 ])
 def test_vllm_serves_tiny_families(trained_model, text_file, tmp_path, family, kwargs):
     """Tiny trained models shaped so vLLM's MLA path takes them (head_dim 64 = rope 64, latent padded to
@@ -154,6 +158,26 @@ def test_vllm_serves_tiny_families(trained_model, text_file, tmp_path, family, k
                             method=PRESETS["closed-form"], pad_latent_to=512, target="vllm"))
     prompts, windows = _prompts_and_windows(out, text_file, 64)
     _check_vllm(out, prompts, windows, env={}, max_model_len=256)
+
+
+def test_gemma_geglu_is_not_served_by_vllm(trained_model, text_file, tmp_path):
+    """Gemma's GeGLU MLP converts exactly for transformers (hidden_act gelu_pytorch_tanh), but `--target vllm`
+    refuses it, and the claim behind the refusal is checked by running vLLM on the transformers output: it does
+    not reproduce transformers (an error, or other tokens / perplexity)."""
+    _vllm_or_skip()
+    src = trained_model("gemma", heads=4, head_dim=64, hidden=128, kv_heads=1)
+    settings = dict(model=str(src), latent_dim=64, rope_dim=64, calib_data=str(text_file), calib_samples=8,
+                    calib_seq_len=64, dtype="float32", device="cpu", progress=False, method=PRESETS["closed-form"],
+                    pad_latent_to=512)
+    with pytest.raises(UserError, match="hidden_act 'gelu_pytorch_tanh'"):
+        convert(ConvertSettings(output=str(tmp_path / "refused"), target="vllm", **settings))
+    out = tmp_path / "mla"
+    convert(ConvertSettings(output=str(out), target="transformers", **settings))
+    prompts, windows = _prompts_and_windows(out, text_file, 64)
+    with pytest.raises((AssertionError, RuntimeError)) as failure:
+        _check_vllm(out, prompts, windows, env={}, max_model_len=256)
+    reason = [line for line in str(failure.value).splitlines() if "Error" in line or "!=" in line or "assert" in line]
+    print(f"vLLM on the GeGLU checkpoint: {reason[-1] if reason else str(failure.value)[-300:]}")
 
 
 def test_eval_in_vllm(trained_model, text_file, tmp_path):
@@ -212,13 +236,37 @@ def _check_llamacpp(model_dir, gguf_file, text_file, ctx: int, chunks: int, prom
         return engine
     prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        out = model.generate(prompt_ids, max_new_tokens=GREEDY_TOKENS, do_sample=False)
-    expected = tokenizer.decode(out[0], skip_special_tokens=True)
-    assert greedy_text(gguf_file, prompt, GREEDY_TOKENS) == expected + "\n"  # llama-simple ends with a newline
+        out = model.generate(prompt_ids, max_new_tokens=GREEDY_TOKENS, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, prompt_ids.shape[1]:].tolist()
+    got = greedy_text(gguf_file, prompt, GREEDY_TOKENS)  # llama-simple ends with a newline
+    equal = _greedy_agreement(tokenizer, prompt_ids[0].tolist(), tokens, out.scores, got.removesuffix("\n"))
     print(f"{gguf_file}: perplexity transformers {reference:.4f}, llama.cpp {engine['perplexity']:.4f}; greedy "
-          f"{out.shape[1] - prompt_ids.shape[1]} tokens equal; KV cache {engine['kv_bytes_per_token_per_layer']:.1f} "
-          "bytes per token per layer")
+          f"{equal} of {len(tokens)} tokens equal{'' if equal == len(tokens) else ', then a tie'}; KV cache "
+          f"{engine['kv_bytes_per_token_per_layer']:.1f} bytes per token per layer")
     return engine
+
+
+TIE_NATS = 0.01  # a top-2 log-probability gap llama.cpp's f16 cache (its default in llama-simple) can flip
+
+
+def _greedy_agreement(tokenizer, prompt, tokens, scores, engine_text) -> int:
+    """How many of transformers' greedy tokens llama.cpp's text reproduces; every one must, unless the first
+    difference is a tie: transformers' top two there are within TIE_NATS and llama.cpp took the runner-up
+    (after which the continuations are different texts and no longer comparable)."""
+    for i, token in enumerate(tokens):
+        if engine_text.startswith(tokenizer.decode(prompt + tokens[: i + 1], skip_special_tokens=True)):
+            continue
+        top = scores[i][0].float().log_softmax(-1).topk(2)
+        gap, runner_up = float(top.values[0] - top.values[1]), int(top.indices[1])
+        prefix = tokenizer.decode(prompt + tokens[:i] + [runner_up], skip_special_tokens=True)
+        assert gap < TIE_NATS and engine_text.startswith(prefix), (
+            f"llama.cpp differs at generated token {i} where transformers' top-2 gap is {gap:.4f} nats "
+            f"(not a tie, or not the runner-up): {engine_text!r}")
+        return i
+    expected = tokenizer.decode(prompt + tokens, skip_special_tokens=True)
+    assert engine_text == expected, (engine_text, expected)
+    return len(tokens)
 
 
 @pytest.mark.slow
@@ -253,6 +301,9 @@ def test_llamacpp_serves_smollm2_f32_and_q8_0(smollm2_320, tmp_path):
     ("llama", dict(kv_heads=1), "transformers"),
     ("mistral", dict(kv_heads=2), "transformers"),
     ("llama", dict(kv_heads=2, rope_scaling=True), "vllm"),  # Llama-3 scaling written as DeepSeek YaRN
+    ("granite", dict(kv_heads=2), "transformers"),
+    ("phi3", dict(kv_heads=2), "transformers"),
+    ("qwen3", dict(kv_heads=2), "transformers"),
 ])
 def test_llamacpp_serves_tiny_families(trained_model, text_file, tmp_path, family, kwargs, target):
     """Tiny trained models, vocabulary built from tokenizer.json (--tokenizer-pre gpt-2): llama.cpp's
@@ -270,6 +321,43 @@ def test_llamacpp_serves_tiny_families(trained_model, text_file, tmp_path, famil
     flags = export_gguf(GGUFSettings(checkpoint=str(out), output=str(gguf_file), tokenizer_pre="gpt-2"))["run_flags"]
     assert bool(flags) == kwargs.get("rope_scaling", False)  # the fitted YaRN ramp must be passed at run time
     _check_llamacpp(out, gguf_file, text_file, 64, 4, "The river", flags)
+
+
+def test_gemma_geglu_is_not_served_by_llamacpp(trained_model, text_file, tmp_path):
+    """export-gguf refuses Gemma's GeGLU checkpoint, and the reason is checked by running llama.cpp: the GGUF
+    the exporter would write (deepseek2 GGUFs carry no activation) computes the SiLU model -- its perplexity
+    equals transformers' on the same weights with hidden_act silu, not the GeGLU model's."""
+    import json
+    import shutil
+
+    from transmla_tool.engines.llamacpp import perplexity, reference_perplexity
+    from transmla_tool.gguf_export import GGUFSettings, export_gguf
+
+    _llamacpp_or_skip()
+    src = trained_model("gemma", heads=4, head_dim=32, hidden=128, kv_heads=1)
+    out = tmp_path / "mla"
+    convert(ConvertSettings(model=str(src), output=str(out), latent_dim=16, rope_dim=32, calib_data=str(text_file),
+                            calib_samples=8, calib_seq_len=64, dtype="float32", device="cpu", progress=False,
+                            method=PRESETS["closed-form"], target="transformers"))
+    with pytest.raises(UserError, match="applies SiLU"):
+        export_gguf(GGUFSettings(checkpoint=str(out), output=str(tmp_path / "refused.gguf"), tokenizer_pre="gpt-2"))
+    silu = tmp_path / "as-silu"
+    shutil.copytree(out, silu)
+    config = json.loads((silu / "config.json").read_text())
+    config["hidden_act"] = "silu"
+    (silu / "config.json").write_text(json.dumps(config))
+    gguf_file = tmp_path / "silu.gguf"
+    export_gguf(GGUFSettings(checkpoint=str(silu), output=str(gguf_file), tokenizer_pre="gpt-2"))
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor(tokenizer(open(text_file).read(), add_special_tokens=False).input_ids)
+    engine = perplexity(gguf_file, text_file, 64, 4)["perplexity"]
+    ref = {path.name: reference_perplexity(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(),
+                                           ids, 64, 4) for path in (out, silu)}
+    print(f"llama.cpp {engine:.4f}; transformers GeGLU {ref['mla']:.4f}, same weights as SiLU {ref['as-silu']:.4f}")
+    to_silu, to_geglu = abs(engine / ref["as-silu"] - 1), abs(engine / ref["mla"] - 1)
+    # the tiny model has memorized its text (perplexity ~1.2), so the two activations differ by ~0.1% only:
+    # llama.cpp must sit on the SiLU model (1e-5 measured) and many times farther from the GeGLU one
+    assert to_silu < 2e-4 and to_geglu > max(5 * to_silu, 5e-4), (to_silu, to_geglu)
 
 
 def test_eval_in_llamacpp(tmp_path):

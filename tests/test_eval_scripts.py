@@ -259,3 +259,24 @@ def test_heal_benchmark_places_its_checkpoints_on_the_frontier(tmp_path, monkeyp
     assert "| healed 4096 tokens | q4_0 | 4.5 | 108 | 7.11 | 1.140 | yes |" in text
     assert "| original | q4_0 | 4.5 | 216 | 3.56 | 1.060 |" in text
     assert json.loads((tmp_path / "frontier.json").read_text())["scored"] == scored
+
+
+def test_families_benchmark_runs_and_divides_by_the_control(tmp_path):
+    """eval/families.py end to end at toy size (3 training steps, closed form): both families trained, converted at
+    both budgets and scored on every domain; the table divides Qwen3's worst unseen ratio by the Llama control's."""
+    import json
+
+    script = ROOT / "eval" / "families.py"
+    run = subprocess.run([sys.executable, str(script), "--output-dir", str(tmp_path), "--steps", "3", "--methods",
+                          "closed-form", "--eval-windows", "2", "--calib-samples", "4", "--vocab", "512"],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "families.jsonl").read_text().splitlines()]
+    assert {(r["family"], r["cache"], r["domain"]) for r in rows} == {
+        (f, c, d) for f in ("llama", "qwen3") for c in ("full", "half") for d in ("news", "forum", "code", "docs")}
+    full = {r["family"]: r for r in rows if r["cache"] == "full" and r["domain"] == "forum"}
+    assert full["llama"]["ratio"] == pytest.approx(1.0, abs=1e-3)  # the control converts exactly at full rank
+    assert full["qwen3"]["q_fold_error_mean"] > 0 and full["llama"]["q_fold_error_mean"] is None
+    worst = {f: max(r["ratio"] for r in rows if r["family"] == f and r["cache"] == "half" and r["domain"] != "news")
+             for f in ("llama", "qwen3")}
+    assert f"= {worst['qwen3']:.3f} / {worst['llama']:.3f} = {worst['qwen3'] / worst['llama']:.3f}x" in run.stdout

@@ -57,6 +57,10 @@ RECIPE_FAMILY = {
     "mistral.yaml": ("mistral", dict(kv_heads=2)),
     "qwen2.yaml": ("qwen2", dict(kv_heads=2)),
     "smollm2.yaml": ("llama", dict(kv_heads=2)),
+    "qwen3.yaml": ("qwen3", dict(kv_heads=2)),
+    "granite.yaml": ("granite", dict(kv_heads=2)),
+    "phi3.yaml": ("phi3", dict(kv_heads=4)),
+    "gemma.yaml": ("gemma", dict(kv_heads=4)),
 }
 
 
@@ -85,3 +89,8 @@ def test_recipe_converts_its_family_as_its_header_says(recipe, make_model, text_
         assert claims[written] in header and all(c not in header for k, c in claims.items() if k != written), header
     if family == "qwen2":
         assert config["attention_bias"] is ("biases are kept exactly" in header), header
+    if family == "qwen3":
+        summary = json.loads((out / "conversion.json").read_text())
+        assert "APPROXIMATE" in header and summary["exact_at_full_rank"] is False
+    if family == "gemma":
+        assert config["hidden_act"] == "gelu_pytorch_tanh" and "transformers only" in header

@@ -18,6 +18,9 @@ from .io.source import CheckpointSource
 from .ops.mla import GQAWeights
 
 
+QK_NORM_WINDOWS = 16  # calibration windows the per-head q/k norm scales are fitted on
+
+
 class SourceLayers:
     """Factory for the source model's decoder layers and rotary tables on one device."""
 
@@ -29,6 +32,7 @@ class SourceLayers:
         self.config._attn_implementation = "sdpa"
         self.layer_cls, rotary_cls = decoder_classes(geometry)
         self.rotary = rotary_cls(self.config).to(device)
+        self.qk_norm_errors: dict = {}  # the last attention_weights() fold's diagnostics (q/k-norm families)
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -47,7 +51,10 @@ class SourceLayers:
         module.load_state_dict(state, assign=True)
         return module.eval().requires_grad_(False)
 
-    def attention_weights(self, layer: torch.nn.Module) -> GQAWeights:
+    def attention_weights(self, layer: torch.nn.Module, inputs: torch.Tensor | None = None) -> GQAWeights:
+        """The layer's attention as linear q/k/v/o projections. A family with per-head q/k norms (Qwen3) has
+        them folded in with scales fitted on `inputs` (N, L, d), the layer's residual-stream inputs
+        (ops/qk_norm.py); `self.qk_norm_errors` then holds how far the fold is from the true norms there."""
         attn = layer.self_attn
         g = self.geometry
 
@@ -55,19 +62,41 @@ class SourceLayers:
             proj = getattr(attn, ATTN[name].split(".")[-1])
             return None if proj.bias is None else proj.bias.detach()
 
+        q, k = attn.q_proj.weight.detach(), attn.k_proj.weight.detach()
+        q_bias, k_bias = bias("q"), bias("k")
+        if g.family.qk_norm:
+            if inputs is None:
+                raise ValueError(f"{g.family.name} has q/k norms: attention_weights needs the layer's inputs")
+            with torch.no_grad():
+                x = layer.input_layernorm(inputs[:QK_NORM_WINDOWS])
+            q, q_bias, self.qk_norm_errors = self._fold(attn.q_proj, attn.q_norm, x, g.num_heads)
+            k, k_bias, k_errors = self._fold(attn.k_proj, attn.k_norm, x, g.num_kv_heads)
+            self.qk_norm_errors.update({"k_" + key: value for key, value in k_errors.items()})
         return GQAWeights(
-            q=attn.q_proj.weight.detach(),
-            k=attn.k_proj.weight.detach(),
+            q=q,
+            k=k,
             v=attn.v_proj.weight.detach(),
             o=attn.o_proj.weight.detach(),
             num_heads=g.num_heads,
             num_kv_heads=g.num_kv_heads,
             head_dim=g.head_dim,
-            q_bias=bias("q"),
-            k_bias=bias("k"),
+            q_bias=q_bias,
+            k_bias=k_bias,
             v_bias=bias("v"),
             o_bias=bias("o"),
         )
+
+
+    @staticmethod
+    def _fold(proj, norm, x, heads):
+        from .ops.qk_norm import fold_head_norm, normalized_error
+
+        weight, bias = proj.weight.detach(), None if proj.bias is None else proj.bias.detach()
+        eps = norm.variance_epsilon
+        folded, folded_bias, scales = fold_head_norm(weight, bias, norm.weight.detach(), eps, x, heads)
+        error = normalized_error(weight, bias, norm.weight.detach(), eps, x, heads, folded, folded_bias)
+        return folded, folded_bias, {"fold_error": round(error, 6), "scale_min": round(float(scales.min()), 6),
+                                     "scale_max": round(float(scales.max()), 6)}
 
 
 def chunks(n: int, size: int) -> Iterator[slice]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .arch import AttentionGeometry, check_supported
+from .arch import AttentionGeometry, check_supported, llama_view
 from .arch.families import EMBED, FINAL_NORM, LAYER_PASSTHROUGH, LAYER_PREFIX, LM_HEAD
 from .calibrate import SourceLayers, run_layer_with_attention, run_source_layer
 from .data import token_windows
@@ -141,6 +141,7 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
     with stage("open source"):
         source = open_source(settings.model, settings.gguf_file, settings.revision)
     geometry = check_supported(source.config, ignore_sliding_window=settings.ignore_sliding_window)
+    source = llama_view(source, geometry.family)  # Granite, Phi-3, Gemma: an exact Llama view (arch/rewrite.py)
     for latent_dim in outputs:
         validate(replace(settings, latent_dim=latent_dim), geometry)
     device = stage.device = resolve_device(settings.device)
@@ -227,7 +228,7 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
     for i in bar:
         with stage("read layer"):
             layer = layers.layer(i)
-            attn = layers.attention_weights(layer)
+            attn = layers.attention_weights(layer, hidden)
         shared = None  # the calibration of the source's own stream, shared by every target that reads it
         for t in targets:
             inputs = t.stream if t.stream is not None else hidden
@@ -245,6 +246,8 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
                 run_layer_with_attention(layer, lambda x, w=mla_device: mla_attention(x, w, ctx.target_cos,
                                                                                       ctx.target_sin),
                                          t.stream, settings.batch_size)
+            if layers.qk_norm_errors:
+                report["qk_norm_fold"] = dict(layers.qk_norm_errors)
             t.reports.append(report)
             bar.set_postfix(kept=f"{report['kept_energy']:.3f}", **(
                 {"refined": f"{report['refine_loss_before']:.3f}->{report['refine_loss_after']:.3f}"}

@@ -75,7 +75,7 @@ def deepseek_config(src_config, geometry: AttentionGeometry, *, latent_dim: int,
         qk_rope_head_dim=rope_dim,
         qk_nope_head_dim=geometry.head_dim,
         v_head_dim=geometry.head_dim,
-        hidden_act="silu",
+        hidden_act=geometry.hidden_act,  # silu, or Gemma's gelu_pytorch_tanh (transformers only)
         max_position_embeddings=src_config.max_position_embeddings,
         initializer_range=getattr(src_config, "initializer_range", 0.02),
         rms_norm_eps=STOCK_NORM_EPS,

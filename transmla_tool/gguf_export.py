@@ -107,6 +107,9 @@ def _read_config(ckpt: Path) -> dict:
     if config.get("attention_bias"):
         raise UserError(f"{ckpt} has attention biases, which llama.cpp's deepseek2 ignores; convert with "
                         "--biases drop (or --target vllm) for an engine checkpoint")
+    if config.get("hidden_act", "silu") != "silu":
+        raise UserError(f"{ckpt} has hidden_act '{config['hidden_act']}' (Gemma's GeGLU), but llama.cpp's deepseek2 "
+                        "applies SiLU in every MLP; this checkpoint runs exactly in transformers only")
     missing = [key for key in REQUIRED_CONFIG if config.get(key) is None]
     if missing:
         raise UserError(f"{path} lacks {', '.join(missing)}; it was not written by `transmla-tool convert`")

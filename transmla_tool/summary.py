@@ -19,6 +19,10 @@ def conversion_summary(settings, geometry, target, ids, out_dtype, warnings: lis
         "version": __version__,
         "source": _source_name(settings),
         "family": geometry.family.name,
+        # how the family maps onto the stock layout: folded exactly (Granite, Phi-3, Gemma), or approximated
+        "family_notes": list(geometry.family.notes),
+        "exact_at_full_rank": geometry.family.approximation is None,
+        "approximation": geometry.family.approximation,
         "settings": _settings_dict(replace(settings, latent_dim=target.latent_dim, output=target.output), ids),
         "dtype": str(out_dtype).replace("torch.", ""),
         "cache_values_per_token_per_layer": {

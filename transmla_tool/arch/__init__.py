@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from ..errors import UnsupportedModelError
 from .families import FAMILIES, UNSUPPORTED_REASONS, FamilySpec, family_for
+from .rewrite import llama_view
 
-__all__ = ["AttentionGeometry", "FamilySpec", "FAMILIES", "check_supported", "decoder_classes"]
+__all__ = ["AttentionGeometry", "FamilySpec", "FAMILIES", "check_supported", "decoder_classes", "llama_view"]
 
 # RoPE variants whose frequencies transformers' DeepSeek-V3 rotary embedding computes exactly the same
 # way for a sub-range of dimensions (see ops/rope.py). Others change the model in ways we do not map.
@@ -32,6 +33,7 @@ class AttentionGeometry:
     rope_type: str
     rope_theta: float
     rms_norm_eps: float
+    hidden_act: str = "silu"
 
     @property
     def group_size(self) -> int:
@@ -68,10 +70,11 @@ def check_supported(config, *, ignore_sliding_window: bool = False) -> Attention
         raise UnsupportedModelError(f"{heads} query heads do not split evenly over {kv_heads} KV heads")
     if head_dim % 2:
         raise UnsupportedModelError(f"head_dim {head_dim} is odd, so RoPE pairs do not tile it")
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        # DeepSeek-V3 (and vLLM's loader for it) only implements the SiLU-gated MLP.
-        raise UnsupportedModelError(f"hidden_act '{act}' is unsupported because DeepSeek-V3 MLPs use silu")
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    if act not in spec.hidden_acts:
+        # DeepSeek-V3's gated MLP applies config.hidden_act; its engines (vLLM, llama.cpp) only SiLU.
+        raise UnsupportedModelError(
+            f"hidden_act '{act}' is unsupported for {spec.name} (supported: {', '.join(spec.hidden_acts)})")
     if getattr(config, "mlp_bias", False):
         raise UnsupportedModelError("mlp_bias=True is unsupported because DeepSeek-V3 MLPs have no biases")
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
@@ -84,7 +87,7 @@ def check_supported(config, *, ignore_sliding_window: bool = False) -> Attention
             f"rope_type '{rope_type}' is unsupported because only {', '.join(SUPPORTED_ROPE_TYPES)} "
             "frequencies map onto DeepSeek-V3's rotary embedding"
         )
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    if (rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is unsupported (only fully rotary heads)")
 
     window = _active_sliding_window(config)
@@ -111,6 +114,7 @@ def check_supported(config, *, ignore_sliding_window: bool = False) -> Attention
         rope_type=rope_type,
         rope_theta=float(rope["rope_theta"]),
         rms_norm_eps=float(config.rms_norm_eps),
+        hidden_act=act,
     )
 
 

@@ -26,6 +26,7 @@ LAYER_PASSTHROUGH = (
     "mlp.down_proj.weight",
 )
 EMBED = "model.embed_tokens.weight"
+LLAMA_MODELING = "transformers.models.llama.modeling_llama"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
 
@@ -41,13 +42,22 @@ class FamilySpec:
     qkv_bias: bool | None
     o_bias_from_config: bool
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Families whose differences from Llama are linear are read through an exact Llama view of the checkpoint
+    # (arch/rewrite.py): the name of that rewrite, or None when the checkpoint is already in Llama's layout.
+    rewrite: str | None = None
+    # MLP activations the family uses that the output can carry (DeepSeek-V3's MLP applies config.hidden_act)
+    hidden_acts: tuple[str, ...] = ("silu",)
+    # Per-head RMSNorms of q and k before RoPE (Qwen3): not linear, so converted approximately (arch/qk_norm.py)
+    qk_norm: bool = False
+    # What the output does not reproduce exactly, for conversion.json and the model card; None: exact at full rank
+    approximation: str | None = None
 
 
 FAMILIES: tuple[FamilySpec, ...] = (
     FamilySpec(
         name="llama",
         model_types=("llama",),
-        modeling_module="transformers.models.llama.modeling_llama",
+        modeling_module=LLAMA_MODELING,
         class_prefix="Llama",
         qkv_bias=None,
         o_bias_from_config=True,
@@ -71,18 +81,74 @@ FAMILIES: tuple[FamilySpec, ...] = (
         qkv_bias=True,
         o_bias_from_config=False,
     ),
+    FamilySpec(
+        name="granite",
+        model_types=("granite",),
+        modeling_module=LLAMA_MODELING,
+        class_prefix="Llama",
+        qkv_bias=None,
+        o_bias_from_config=True,
+        rewrite="granite",
+        notes=("Its embedding, attention, residual and logit multipliers are folded into the weights (exact).",),
+    ),
+    FamilySpec(
+        name="phi3",
+        model_types=("phi3",),
+        modeling_module=LLAMA_MODELING,
+        class_prefix="Llama",
+        qkv_bias=False,
+        o_bias_from_config=False,
+        rewrite="phi3",
+        notes=("Its fused qkv_proj and gate_up_proj are split (exact); LongRoPE and partial rotary are refused.",),
+    ),
+    FamilySpec(
+        name="gemma",
+        model_types=("gemma",),
+        modeling_module=LLAMA_MODELING,
+        class_prefix="Llama",
+        qkv_bias=None,
+        o_bias_from_config=True,
+        rewrite="gemma",
+        hidden_acts=("gelu_pytorch_tanh",),
+        notes=("Its (1 + w) norms and embedding scale are folded into the weights, the embedding untied (exact); "
+               "the GeGLU MLP keeps hidden_act gelu_pytorch_tanh, which transformers' DeepSeek-V3 applies and "
+               "vLLM's and llama.cpp's DeepSeek paths do not (they hard-code SiLU).",),
+    ),
+    FamilySpec(
+        name="qwen3",
+        model_types=("qwen3",),
+        modeling_module="transformers.models.qwen3.modeling_qwen3",
+        class_prefix="Qwen3",
+        qkv_bias=None,
+        o_bias_from_config=True,
+        qk_norm=True,
+        approximation=(
+            "Qwen3 normalizes each head's query and key (RMSNorm over head_dim) before RoPE; no stock DeepSeek layer "
+            "has a per-head norm. The norm weights are folded into q_proj/k_proj with one calibrated scale per head "
+            "(the least-squares fit of 1/rms on the calibration text), and the layer-local refinement fits the rest "
+            "against the true Qwen3 attention output. Not exact even at full rank: measure it (eval/families.py)."),
+    ),
 )
 
 # Families we recognise but do not convert yet, with the reason a user sees.
 UNSUPPORTED_REASONS = {
-    "qwen3": "its per-head q/k RMSNorms act before RoPE and cannot be folded into linear projections",
-    "gemma": "it scales embeddings and uses (1 + w) norms and a GeGLU MLP the DeepSeek-V3 layout lacks",
-    "gemma2": "its sliding-window layers and logit soft-capping have no DeepSeek-V3 equivalent",
-    "gemma3": "its sliding-window layers, q/k norms and dual RoPE bases have no DeepSeek-V3 equivalent",
-    "mixtral": "MoE conversion (mapping its experts onto DeepSeek-V3 routing) is not implemented",
-    "qwen2_moe": "MoE conversion (mapping its experts onto DeepSeek-V3 routing) is not implemented",
-    "qwen3_moe": "MoE conversion and its q/k norms are not implemented",
-    "phi3": "its fused qkv/gate-up tensors and LongRoPE scaling are not implemented",
+    "gemma2": "it normalizes sublayer outputs (post-attention and post-MLP norms) and soft-caps attention "
+              "logits, which no stock DeepSeek-V3 layer does",
+    "gemma3": "it normalizes sublayer outputs (post-norms) and mixes sliding-window layers with two RoPE bases, "
+              "which no stock DeepSeek-V3 layer does",
+    "gemma3_text": "it normalizes sublayer outputs (post-norms) and mixes sliding-window layers with two RoPE bases, "
+                   "which no stock DeepSeek-V3 layer does",
+    "olmo2": "it normalizes sublayer outputs (post-norms), which no stock DeepSeek-V3 layer does",
+    # MoE: the attention would convert as for dense models, but no stock class routes like these sources in
+    # transformers (tests/test_families.py checks the facts below on the installed version).
+    "mixtral": "its router renormalizes the top-k softmax weights, and no stock DeepSeek class does that in "
+               "transformers (DeepSeek-V3 scores with sigmoids; transformers' DeepSeek-V2 router ignores "
+               "norm_topk_prob), so the converted MoE would compute another model",
+    "qwen3_moe": "its router renormalizes the top-k softmax weights (norm_topk_prob), and no stock DeepSeek class "
+                 "does that in transformers (DeepSeek-V3 scores with sigmoids; transformers' DeepSeek-V2 router "
+                 "ignores norm_topk_prob); it also has per-head q/k norms",
+    "qwen2_moe": "its shared expert is scaled per token by a learned sigmoid gate, which no stock DeepSeek MoE has",
+    "granitemoe": "MoE conversion is not implemented",
     "deepseek_v2": "it already uses multi-head latent attention",
     "deepseek_v3": "it already uses multi-head latent attention",
 }

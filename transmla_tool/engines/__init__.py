@@ -78,7 +78,8 @@ def check_target(config, target: str) -> list[str]:
     if target == "transformers":
         return []
     if target == "llamacpp":  # any latent size (llama.cpp's deepseek2 only needs a non-empty nope part)
-        return ["attention biases: llama.cpp's deepseek2 has no attention bias tensors"] if config.attention_bias else []
+        problems = ["attention biases: llama.cpp's deepseek2 has no attention bias tensors"] if config.attention_bias else []
+        return problems + _activation_problems(config, "llama.cpp's deepseek2")
     if target == "sglang":
         return servability(config)["sglang"]["problems"]
     return servability(config)["vllm"]["problems"]
@@ -101,9 +102,18 @@ def _sglang_problems(config, rope_type: str) -> list[str]:
     if config.attention_bias:
         problems.append("attention biases: SGLang's DeepSeek loader skips them silently (read in its source), "
                         "so it would serve a different model")
+    problems += _activation_problems(config, "SGLang (read in its source)")
     if rope_type not in ("default", "yarn"):
         problems.append(f"rope_type '{rope_type}': SGLang turns it into DeepSeek YaRN (read in its source)")
     return problems
+
+
+def _activation_problems(config, engine: str) -> list[str]:
+    act = getattr(config, "hidden_act", "silu")
+    if act == "silu":
+        return []
+    return [f"hidden_act '{act}' (Gemma's GeGLU): {engine} applies SiLU in every DeepSeek MLP, so it would serve "
+            "a different model; the checkpoint is exact in transformers only"]
 
 
 def servability(config) -> dict:
@@ -127,6 +137,7 @@ def servability(config) -> dict:
         vllm_problems.append(
             f"rope_type '{rope_type}': vLLM turns every non-default rope type on a DeepSeek model into DeepSeek "
             "YaRN, which is not this model's rotary embedding (--target vllm maps Llama-3 scaling onto YaRN)")
+    vllm_problems += _activation_problems(config, f"vLLM {VLLM.version}")
     # rope_type 'yarn' is what vLLM computes too (tests/test_engines.py runs factor 1 and a Llama-3 mapping)
     llama_problems = [
         "not loadable from this checkpoint directly: write a GGUF with `transmla-tool export-gguf` (keeps "
@@ -140,6 +151,7 @@ def servability(config) -> dict:
             "--yarn-beta-fast/--yarn-beta-slow values export-gguf prints")
     if config.attention_bias:
         llama_problems.append("attention biases: not checked in llama.cpp")
+    llama_problems += _activation_problems(config, f"llama.cpp {LLAMA_CPP.version}")
     return {
         "transformers": "exact (AutoModelForCausalLM, no trust_remote_code)",
         "vllm": {"version": VLLM.version, "serves_as_is": not vllm_problems, "problems": vllm_problems},

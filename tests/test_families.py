@@ -1,0 +1,153 @@
+"""Families beyond Llama's layout: exact Llama views (Granite, Phi-3, Gemma), Qwen3's approximated q/k norms,
+and the facts behind each refusal (MoE routing), checked on the installed transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import logits, reference_logits, rel_err, sample_ids
+from transformers import AutoConfig
+
+
+def _llama_view_dir(src, tmp_path):
+    """The Llama view the conversion reads (arch/rewrite.py), saved as a LlamaForCausalLM checkpoint."""
+    from transformers import LlamaForCausalLM
+
+    from transmla_tool.arch import check_supported, llama_view
+    from transmla_tool.io.source import open_source
+
+    source = open_source(str(src))
+    view = llama_view(source, check_supported(source.config).family)
+    model = LlamaForCausalLM(view.config)
+    model.load_state_dict({name: view.get(name) for name in model.state_dict()})
+    model.save_pretrained(tmp_path / "view")
+    return tmp_path / "view"
+
+
+@pytest.mark.parametrize("family,kwargs", [
+    ("granite", dict(kv_heads=2)),
+    ("granite", dict(kv_heads=1, attention_bias=True)),
+    ("phi3", dict(kv_heads=2)),
+    ("phi3", dict(kv_heads=1)),
+    ("gemma", dict(kv_heads=2)),
+    ("gemma", dict(kv_heads=1)),  # Gemma-2B is MQA
+])
+def test_linear_families_full_rank_exact(make_model, convert_tiny, tmp_path, family, kwargs):
+    """Granite's multipliers, Phi-3's fused tensors and Gemma's (1 + w) norms, embedding scale and GeGLU fold
+    exactly into the Llama view the conversion reads (Llama's forward on it equals the source family's), and
+    the output is exact where the MLA is: with one KV head and rope_dim = head_dim the full-rank output equals
+    the source (fp32 logits); with two KV heads the stock model equals the reference math on the view."""
+    src = make_model(family, **kwargs)
+    ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
+    view = _llama_view_dir(src, tmp_path)
+    assert rel_err(logits(view, ids), logits(src, ids)) < 1e-6
+    if kwargs["kv_heads"] == 1:
+        out, summary, _ = convert_tiny(src, latent_dim=16, rope_dim=16)
+        assert rel_err(logits(out, ids), logits(src, ids)) < 1e-4
+    else:
+        out, summary, natural = convert_tiny(src, latent_dim=24, rope_dim=8)
+        assert rel_err(logits(out, ids), reference_logits(view, natural, out, ids)) < 1e-5
+    assert summary["family"] == family
+    config = json.loads((out / "config.json").read_text())
+    assert config["hidden_act"] == ("gelu_pytorch_tanh" if family == "gemma" else "silu")
+
+
+def test_qwen3_q_k_norms_approximated_and_stated(make_model, convert_tiny):
+    """Qwen3's per-head q/k RMSNorms have no stock form: the conversion folds them with calibrated per-head
+    scales, says so in conversion.json and the model card, and reports the fold's error per layer. The
+    refinement then fits the true Qwen3 attention: the refined layer error must be below the closed form's."""
+    from transmla_tool.methods import PRESETS
+
+    src = make_model("qwen3", kv_heads=2)
+    out, summary, _ = convert_tiny(src, latent_dim=40, rope_dim=16)
+    assert summary["family"] == "qwen3" and summary["exact_at_full_rank"] is False
+    assert "per-head" in summary["approximation"] and "Approximation" in (out / "README.md").read_text()
+    for layer in summary["layers"]:
+        fold = layer["qk_norm_fold"]
+        assert 0 < fold["fold_error"] < 1 and 0 < fold["k_fold_error"] < 1 and fold["scale_min"] > 0
+        assert layer["refine_loss_after"] < layer["refine_loss_before"]
+        assert layer["stock_vs_reference"] < 1e-5
+    closed, closed_summary, _ = convert_tiny(src, latent_dim=40, rope_dim=16, method=PRESETS["closed-form"])
+    assert closed_summary["layers"][0]["qk_norm_fold"] == summary["layers"][0]["qk_norm_fold"]
+
+
+def test_qwen3_fold_is_exact_when_the_rms_is_constant():
+    """The fold reproduces the normalized projection exactly when every token's per-head rms is the same
+    (then 1/rms is one number per head), and the fitted scale is that number."""
+    from transmla_tool.ops.qk_norm import fold_head_norm, normalized_error
+
+    torch.manual_seed(0)
+    heads, dim, hidden = 3, 8, 8
+    # each head's projection is orthogonal, and the inputs are unit vectors: rms = 1/sqrt(dim) for every token
+    weight = torch.cat([torch.linalg.qr(torch.randn(hidden, hidden))[0] for _ in range(heads)])  # (heads*dim, d)
+    x = torch.nn.functional.normalize(torch.randn(50, hidden), dim=-1)
+    norm_weight = torch.rand(dim) + 0.5
+    folded, _, scales = fold_head_norm(weight, None, norm_weight, 0.0, x, heads)
+    assert torch.allclose(scales, torch.full((heads,), dim**0.5), rtol=1e-5)
+    assert normalized_error(weight, None, norm_weight, 0.0, x, heads, folded, None) < 1e-6
+    # tokens of different norms: the fold is only a fit
+    assert normalized_error(weight, None, norm_weight, 0.0, x * torch.rand(50, 1) * 3, heads, folded, None) > 0.05
+
+
+def _router_inputs(experts=8, hidden=16, tokens=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(experts, hidden, generator=gen), torch.randn(tokens, hidden, generator=gen)
+
+
+def test_transformers_deepseek_v2_router_ignores_norm_topk_prob():
+    """Why Mixtral and Qwen3-MoE are refused: their routers renormalize the top-k softmax weights (they sum to
+    1), transformers' DeepSeek-V2 router does not even with norm_topk_prob=True, and DeepSeek-V3's sigmoid
+    scores renormalized are other weights. If a transformers release changes this, this test fails: then
+    DeepSeek-V2 with norm_topk_prob maps those routers exactly and the refusal should become a conversion."""
+    from transformers import DeepseekV2Config, DeepseekV3Config, MixtralConfig
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+
+    weight, x = _router_inputs()
+    common = dict(hidden_size=16, num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=2)
+    mixtral = MixtralTopKRouter(MixtralConfig(**common, num_local_experts=8))
+    v2 = DeepseekV2TopkRouter(DeepseekV2Config(**common, n_routed_experts=8, topk_method="greedy",
+                                               norm_topk_prob=True, routed_scaling_factor=1.0))
+    v3 = DeepseekV3TopkRouter(DeepseekV3Config(**common, n_routed_experts=8, n_group=1, topk_group=1,
+                                               norm_topk_prob=True, routed_scaling_factor=1.0))
+    with torch.no_grad():
+        for router in (mixtral, v2, v3):
+            router.weight.copy_(weight)
+        mixtral_out = mixtral(x)
+        v2_out, v3_logits = v2(x), v3(x)
+    mixtral_weights, mixtral_index = mixtral_out[1], mixtral_out[2]
+    assert torch.allclose(mixtral_weights.sum(-1), torch.ones(x.shape[0]), atol=1e-6)  # renormalized
+    v2_weights, v2_index = v2_out[1], v2_out[2]
+    assert torch.equal(v2_index.sort(-1).values, mixtral_index.sort(-1).values)  # same experts chosen
+    probs = torch.softmax(x @ weight.T, dim=-1)
+    assert torch.allclose(v2_weights, probs.gather(-1, v2_index), atol=1e-6)  # the plain softmax, not renormalized
+    assert (v2_weights.sum(-1) - 1).abs().max() > 0.1  # so the expert outputs are weighted otherwise
+    if isinstance(v3_logits, tuple):  # recent transformers: the router itself returns (logits, weights, indices)
+        _, v3_weights, v3_index = v3_logits
+    else:  # older: logits only; what DeepseekV3MoE then does with norm_topk_prob
+        v3_index = v3_logits.topk(2, dim=-1).indices
+        chosen = torch.sigmoid(v3_logits).gather(-1, v3_index)
+        v3_weights = chosen / chosen.sum(-1, keepdim=True)
+    assert torch.equal(v3_index.sort(-1).values, mixtral_index.sort(-1).values)  # sigmoid is monotone: same experts
+    assert (v3_weights.sort(-1).values - mixtral_weights.sort(-1).values).abs().max() > 0.1  # other weights
+
+
+@pytest.mark.parametrize("model_type,words", [
+    ("mixtral", "renormalizes"), ("qwen3_moe", "norm_topk_prob"), ("qwen2_moe", "sigmoid gate"),
+    ("gemma2", "post-attention"), ("gemma3_text", "post-norms"), ("olmo2", "post-norms"),
+    ("deepseek_v3", "already uses"),
+])
+def test_refused_families_name_the_reason(model_type, words):
+    from transmla_tool.arch import check_supported
+    from transmla_tool.errors import UnsupportedModelError
+
+    class Config:
+        pass
+
+    config = Config()
+    config.model_type = model_type
+    with pytest.raises(UnsupportedModelError, match=f"'{model_type}' is unsupported because .*{words}"):
+        check_supported(config)

@@ -1,0 +1,48 @@
+"""Linearize per-head q/k RMSNorms (Qwen3) into the projections, with one calibrated scale per head.
+
+Qwen3 computes each head's query as RMSNorm(W_h x) = w * (W_h x) / rms(W_h x) before RoPE (keys alike).
+The division by the token's rms is not linear, so no stock DeepSeek layer reproduces it; what is linear is
+the elementwise weight w (RoPE comes after, and a fixed per-dim scale before it is just another
+projection). We write  s_h * diag(w) W_h  where s_h is the least-squares fit of 1/rms over the calibration
+tokens of head h:  s_h = sum_t <u_t / rms_t, u_t> / sum_t |u_t|^2  with u_t = w * W_h x_t, i.e. the scale
+that best reproduces the normalized vectors themselves. What remains (the per-token deviation of 1/rms from
+s_h) is left to the layer-local refinement, which fits the true normalized attention's output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fold_head_norm(weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                   x: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(weight', bias', scales): weight (heads*D, d) and bias (heads*D,) of a projection followed by a per-head
+    RMSNorm with `norm_weight` (D,) and `eps`, folded into one linear map fitted on inputs x (..., d).
+    Returns fp32 tensors; scales (heads,) are the fitted s_h."""
+    dim = norm_weight.shape[0]
+    w64 = weight.double()
+    b64 = None if bias is None else bias.double()
+    x64 = x.reshape(-1, x.shape[-1]).double()
+    y = x64 @ w64.T  # (T, heads*D)
+    if b64 is not None:
+        y = y + b64
+    y = y.view(-1, heads, dim)  # (T, heads, D)
+    inv_rms = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)  # (T, heads, 1)
+    u = y * norm_weight.double()  # (T, heads, D)
+    energy = u.pow(2).sum((0, 2))  # (heads,)
+    scales = (u.pow(2) * inv_rms).sum((0, 2)) / energy.clamp_min(1e-300)  # (heads,)
+    per_row = (scales[:, None] * norm_weight.double()[None, :]).reshape(-1)  # (heads*D,)
+    folded = (w64 * per_row[:, None]).float()
+    folded_bias = None if b64 is None else (b64 * per_row).float()
+    return folded, folded_bias, scales.float()
+
+
+def normalized_error(weight, bias, norm_weight, eps, x, heads, folded, folded_bias) -> float:
+    """Relative error of the folded projection against the true normalized one on inputs x (a diagnostic)."""
+    dim = norm_weight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    y = x2 @ weight.float().T + (0 if bias is None else bias.float())
+    y = y.view(-1, heads, dim)
+    true = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    approx = (x2 @ folded.T + (0 if folded_bias is None else folded_bias)).view(-1, heads, dim)
+    return float((approx - true).norm() / true.norm().clamp_min(1e-30))
