@@ -54,22 +54,26 @@ def test_linear_families_full_rank_exact(make_model, convert_tiny, tmp_path, fam
     assert config["hidden_act"] == ("gelu_pytorch_tanh" if family == "gemma" else "silu")
 
 
-def test_qwen3_q_k_norms_approximated_and_stated(make_model, convert_tiny):
+@pytest.mark.parametrize("kv_heads", [2, 1])  # GQA (Qwen3) and MQA
+def test_qwen3_q_k_norms_approximated_and_stated(make_model, convert_tiny, kv_heads):
     """Qwen3's per-head q/k RMSNorms have no stock form: the conversion folds them with calibrated per-head
     scales, says so in conversion.json and the model card, and reports the fold's error per layer. The
-    refinement then fits the true Qwen3 attention: the refined layer error must be below the closed form's."""
+    refinement then fits the true Qwen3 attention: never worse than the closed form on held-out windows (refine falls back to it),
+    better on some layer."""
     from transmla_tool.methods import PRESETS
 
-    src = make_model("qwen3", kv_heads=2)
-    out, summary, _ = convert_tiny(src, latent_dim=40, rope_dim=16)
+    src = make_model("qwen3", kv_heads=kv_heads)
+    out, summary, _ = convert_tiny(src, latent_dim=40 if kv_heads == 2 else 16, rope_dim=16)
     assert summary["family"] == "qwen3" and summary["exact_at_full_rank"] is False
     assert "per-head" in summary["approximation"] and "Approximation" in (out / "README.md").read_text()
     for layer in summary["layers"]:
         fold = layer["qk_norm_fold"]
         assert 0 < fold["fold_error"] < 1 and 0 < fold["k_fold_error"] < 1 and fold["scale_min"] > 0
-        assert layer["refine_loss_after"] < layer["refine_loss_before"]
+        assert layer["refine_loss_after"] <= layer["refine_loss_before"]  # refine never hands back worse
         assert layer["stock_vs_reference"] < 1e-5
-    closed, closed_summary, _ = convert_tiny(src, latent_dim=40, rope_dim=16, method=PRESETS["closed-form"])
+    assert any(layer["refine_loss_after"] < layer["refine_loss_before"] for layer in summary["layers"])
+    closed, closed_summary, _ = convert_tiny(src, latent_dim=40 if kv_heads == 2 else 16, rope_dim=16,
+                                             method=PRESETS["closed-form"])
     assert closed_summary["layers"][0]["qk_norm_fold"] == summary["layers"][0]["qk_norm_fold"]
 
 
