@@ -2,7 +2,9 @@
 
 Every family we convert uses the same decoder layout (pre-norm, q/k/v/o projections, gated MLP,
 rotate-half RoPE), so the tensor names are shared; what differs is listed per family with the
-reason. Families not listed here get a refusal that names what we do not handle yet.
+reason. Granite, Phi-3 and Gemma differ from it linearly and are read through an exact Llama view
+(`rewrite`, arch/rewrite.py); Qwen3's q/k norms are approximated (`qk_norm`). Families not listed here
+get a refusal that names the reason (UNSUPPORTED_REASONS) or what we do not handle yet.
 """
 
 from __future__ import annotations
