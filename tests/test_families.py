@@ -155,3 +155,20 @@ def test_refused_families_name_the_reason(model_type, words):
     config.model_type = model_type
     with pytest.raises(UnsupportedModelError, match=f"'{model_type}' is unsupported because .*{words}"):
         check_supported(config)
+
+
+def test_phi3_view_reads_each_fused_tensor_once(make_model):
+    """A layer's q, k and v (gate and up) come from one read of the fused tensor, not one read each."""
+    from transmla_tool.arch import check_supported, llama_view
+    from transmla_tool.io.source import open_source
+
+    source = open_source(str(make_model("phi3", kv_heads=2)))
+    view = llama_view(source, check_supported(source.config).family)
+    reads = []
+    load = source._load
+    source._load = lambda name: reads.append(name) or load(name)
+    for part in ("q_proj", "k_proj", "v_proj"):
+        view.get(f"model.layers.0.self_attn.{part}.weight")
+    for part in ("gate_proj", "up_proj"):
+        view.get(f"model.layers.0.mlp.{part}.weight")
+    assert reads == ["model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"]

@@ -75,6 +75,7 @@ class LlamaView(CheckpointSource):
         rules = {"granite": self._granite, "phi3": self._phi3, "gemma": self._gemma}
         self._rule = rules[family.rewrite]
         self._names = self._view_names()
+        self._fused: tuple[str, torch.Tensor] | None = None  # the last fused tensor read (Phi-3 splits it 2-3 ways)
 
     def _view_names(self) -> set[str]:
         names = {EMBED, FINAL_NORM, LM_HEAD}  # the view is always untied
@@ -98,6 +99,12 @@ class LlamaView(CheckpointSource):
 
     def _get(self, name: str) -> torch.Tensor:
         return self.inner.get(name, dtype=_FLOAT)
+
+    def _get_fused(self, name: str) -> torch.Tensor:
+        """A fused source tensor, kept until another is read: q, k and v (gate and up) are asked in a row."""
+        if self._fused is None or self._fused[0] != name:
+            self._fused = (name, self._get(name))
+        return self._fused[1]
 
     def _head(self) -> torch.Tensor:
         """The source's output matrix: its lm_head, or the embedding when tied."""
@@ -123,13 +130,13 @@ class LlamaView(CheckpointSource):
             return self.inner.get(LM_HEAD if self.inner.has(LM_HEAD) else EMBED, dtype=None)
         layer, sep, part = name.partition(".self_attn.")
         if sep and part.split(".")[0] in ("q_proj", "k_proj", "v_proj"):
-            fused = self._get(f"{layer}.self_attn.qkv_proj.weight")  # (H*D + 2*G*D, d): [q | k | v]
+            fused = self._get_fused(f"{layer}.self_attn.qkv_proj.weight")  # (H*D + 2*G*D, d): [q | k | v]
             q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
             q, k, v = fused.split([q_rows, kv_rows, kv_rows])
             return {"q_proj": q, "k_proj": k, "v_proj": v}[part.split(".")[0]].clone()
         layer, sep, part = name.partition(".mlp.")
         if sep and part in ("gate_proj.weight", "up_proj.weight"):
-            gate, up = self._get(f"{layer}.mlp.gate_up_proj.weight").chunk(2)  # (2*I, d): [gate | up]
+            gate, up = self._get_fused(f"{layer}.mlp.gate_up_proj.weight").chunk(2)  # (2*I, d): [gate | up]
             return (gate if part == "gate_proj.weight" else up).clone()
         return None
 
