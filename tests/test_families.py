@@ -19,7 +19,7 @@ def _llama_view_dir(src, tmp_path):
     from transmla_tool.io.source import open_source
 
     source = open_source(str(src))
-    view = llama_view(source, check_supported(source.config).family)
+    view = llama_view(source, check_supported(source.config))
     model = LlamaForCausalLM(view.config)
     model.load_state_dict({name: view.get(name) for name in model.state_dict()})
     model.save_pretrained(tmp_path / "view")
@@ -163,7 +163,7 @@ def test_phi3_view_reads_each_fused_tensor_once(make_model):
     from transmla_tool.io.source import open_source
 
     source = open_source(str(make_model("phi3", kv_heads=2)))
-    view = llama_view(source, check_supported(source.config).family)
+    view = llama_view(source, check_supported(source.config))
     reads = []
     load = source._load
     source._load = lambda name: reads.append(name) or load(name)

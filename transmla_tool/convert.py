@@ -141,7 +141,7 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
     with stage("open source"):
         source = open_source(settings.model, settings.gguf_file, settings.revision)
     geometry = check_supported(source.config, ignore_sliding_window=settings.ignore_sliding_window)
-    source = llama_view(source, geometry.family)  # Granite, Phi-3, Gemma: an exact Llama view (arch/rewrite.py)
+    source = llama_view(source, geometry)  # Granite, Phi-3, Gemma: an exact Llama view (arch/rewrite.py)
     for latent_dim in outputs:
         validate(replace(settings, latent_dim=latent_dim), geometry)
     device = stage.device = resolve_device(settings.device)

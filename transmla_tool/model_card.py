@@ -30,7 +30,7 @@ def write_model_card(directory: Path, summary: dict, config, extra_sections: lis
         "`AutoModelForCausalLM.from_pretrained(path)` and no `trust_remote_code`.",
         "",
         *([f"**Approximation:** {summary['approximation']}", ""] if summary.get("approximation") else []),
-        *[f"{note}" for note in summary.get("family_notes", [])],
+        *summary.get("family_notes", []),
         *([""] if summary.get("family_notes") else []),
         "## KV cache per token per layer",
         "",

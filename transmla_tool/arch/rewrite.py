@@ -1,6 +1,6 @@
 """Exact Llama views of families whose differences from Llama's layout are linear.
 
-`llama_view(source, family)` wraps a checkpoint of such a family in a `CheckpointSource` that presents a
+`llama_view(source, geometry)` wraps a checkpoint of such a family in a `CheckpointSource` that presents a
 Llama config and Llama tensor names, computed tensor by tensor from the source's (so a 70B model is still
 read one tensor at a time), such that transformers' Llama forward on the view equals the source family's
 own forward (fp32). Everything after (calibration, factorization, export) then sees a Llama model.
@@ -21,36 +21,35 @@ import math
 import torch
 
 from ..io.source import CheckpointSource
-from .families import EMBED, FINAL_NORM, LAYER_PREFIX, LM_HEAD, FamilySpec
+from .families import EMBED, FINAL_NORM, LAYER_PREFIX, LM_HEAD
 
 _FLOAT = torch.float32  # folds are computed in fp32 (and the writer casts to the output dtype once)
 
 
-def llama_view(source: CheckpointSource, family: FamilySpec) -> CheckpointSource:
-    """`source` itself for families already in Llama's layout, else its exact Llama view."""
-    if family.rewrite is None:
+def llama_view(source: CheckpointSource, geometry) -> CheckpointSource:
+    """`source` itself for families already in Llama's layout, else its exact Llama view (geometry: what
+    arch.check_supported read from the source's config)."""
+    if geometry.family.rewrite is None:
         return source
-    return LlamaView(source, family)
+    return LlamaView(source, geometry)
 
 
-def llama_config(config, family: FamilySpec):
+def llama_config(config, geometry):
     """A LlamaConfig with the source's shapes, rope, eps and activation (the view's folds do the rest)."""
     from transformers import LlamaConfig
 
-    heads = config.num_attention_heads
-    act = getattr(config, "hidden_activation", None) or config.hidden_act
-    view = LlamaConfig(
+    return LlamaConfig(
         vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
+        hidden_size=geometry.hidden_size,
         intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        hidden_act=act,
+        num_hidden_layers=geometry.num_layers,
+        num_attention_heads=geometry.num_heads,
+        num_key_value_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        hidden_act=geometry.hidden_act,
         max_position_embeddings=config.max_position_embeddings,
         initializer_range=getattr(config, "initializer_range", 0.02),
-        rms_norm_eps=config.rms_norm_eps,
+        rms_norm_eps=geometry.rms_norm_eps,
         rope_parameters=dict(config.rope_parameters),
         attention_bias=bool(getattr(config, "attention_bias", False)),
         mlp_bias=False,
@@ -59,21 +58,18 @@ def llama_config(config, family: FamilySpec):
         pad_token_id=getattr(config, "pad_token_id", None),
         tie_word_embeddings=False,
     )
-    view.source_model_type = config.model_type
-    return view
 
 
 class LlamaView(CheckpointSource):
     """A Llama-layout view of a Granite, Phi-3 or Gemma checkpoint; tensors are computed when asked."""
 
-    def __init__(self, inner: CheckpointSource, family: FamilySpec):
-        super().__init__(location=inner.location, config=llama_config(inner.config, family),
+    def __init__(self, inner: CheckpointSource, geometry):
+        super().__init__(location=inner.location, config=llama_config(inner.config, geometry),
                          tokenizer_args=inner.tokenizer_args, tokenizer_kwargs=inner.tokenizer_kwargs)
         self.inner = inner
-        self.family = family
         self.source_config = inner.config
         rules = {"granite": self._granite, "phi3": self._phi3, "gemma": self._gemma}
-        self._rule = rules[family.rewrite]
+        self._rule = rules[geometry.family.rewrite]
         self._names = self._view_names()
         self._fused: tuple[str, torch.Tensor] | None = None  # the last fused tensor read (Phi-3 splits it 2-3 ways)
 
@@ -95,20 +91,21 @@ class LlamaView(CheckpointSource):
 
     def _load(self, name: str) -> torch.Tensor:
         tensor = self._rule(name)
-        return self.inner.get(name, dtype=None) if tensor is None else tensor
+        return self.inner.get(self._source_name(name), dtype=None) if tensor is None else tensor
+
+    def _source_name(self, name: str) -> str:
+        """The source tensor behind the view's `name`: the view is untied, so a tied source's lm_head is its
+        embedding matrix (as stored, before any embedding scale)."""
+        return EMBED if name == LM_HEAD and not self.inner.has(LM_HEAD) else name
 
     def _get(self, name: str) -> torch.Tensor:
-        return self.inner.get(name, dtype=_FLOAT)
+        return self.inner.get(self._source_name(name), dtype=_FLOAT)
 
     def _get_fused(self, name: str) -> torch.Tensor:
         """A fused source tensor, kept until another is read: q, k and v (gate and up) are asked in a row."""
         if self._fused is None or self._fused[0] != name:
             self._fused = (name, self._get(name))
         return self._fused[1]
-
-    def _head(self) -> torch.Tensor:
-        """The source's output matrix: its lm_head, or the embedding when tied."""
-        return self._get(LM_HEAD if self.inner.has(LM_HEAD) else EMBED)
 
     # Each rule returns the view's tensor `name`, or None when it is the source's tensor of the same name.
 
@@ -117,7 +114,7 @@ class LlamaView(CheckpointSource):
         if name == EMBED:
             return self._get(EMBED) * cfg.embedding_multiplier
         if name == LM_HEAD:
-            return self._head() / cfg.logits_scaling
+            return self._get(LM_HEAD) / cfg.logits_scaling
         if ".self_attn.q_proj." in name:  # Llama scales scores by head_dim^-1/2; Granite by attention_multiplier
             return self._get(name) * (cfg.attention_multiplier * math.sqrt(self.config.head_dim))
         if ".self_attn.o_proj." in name or name.endswith("mlp.down_proj.weight"):
@@ -126,8 +123,6 @@ class LlamaView(CheckpointSource):
 
     def _phi3(self, name: str) -> torch.Tensor | None:
         cfg = self.config
-        if name == LM_HEAD:
-            return self.inner.get(LM_HEAD if self.inner.has(LM_HEAD) else EMBED, dtype=None)
         layer, sep, part = name.partition(".self_attn.")
         if sep and part.split(".")[0] in ("q_proj", "k_proj", "v_proj"):
             fused = self._get_fused(f"{layer}.self_attn.qkv_proj.weight")  # (H*D + 2*G*D, d): [q | k | v]
@@ -143,8 +138,6 @@ class LlamaView(CheckpointSource):
     def _gemma(self, name: str) -> torch.Tensor | None:
         if name == EMBED:  # GemmaTextScaledWordEmbedding multiplies by sqrt(hidden) (exact in fp32)
             return self._get(EMBED) * self.config.hidden_size**0.5
-        if name == LM_HEAD:
-            return self.inner.get(LM_HEAD if self.inner.has(LM_HEAD) else EMBED, dtype=None)
         if name == FINAL_NORM or name.endswith("layernorm.weight"):  # GemmaRMSNorm: x_hat * (1 + w)
             return 1.0 + self._get(name)
         return None
