@@ -38,6 +38,7 @@ from transmla_tool.errors import UserError
 from transmla_tool.evaluate.frontier import parse_cache_types
 from transmla_tool.evaluate.models import load_model, load_tokenizer
 from transmla_tool.evaluate.perplexity import perplexity
+from transmla_tool.heal.settings import check_cache_type
 from transmla_tool.heal.train import HealSettings, heal
 from transmla_tool.methods import recorded_method, resolve_method
 
@@ -56,6 +57,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--train", default="attention")
     parser.add_argument("--lm-weight", type=float, default=0.0)
+    parser.add_argument("--cache-type", default=None,
+                        help="quantization-aware healing through this llama.cpp cache type (heal --cache-type); the "
+                        "held-out perplexities logged during healing then read the same simulated cache")
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--cache-types", default="",
                         help="after healing, place the conversion and the healed model on the frontier: llama.cpp "
@@ -68,6 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     try:
         method = resolve_method("default", args.overrides)  # a bad --set fails here, before any work
+        check_cache_type(args.cache_type)
         cache_types = parse_cache_types(args.cache_types) if args.cache_types else []
         if cache_types:
             from transmla_tool.engines.llamacpp import llama_cpp_bin
@@ -123,12 +128,17 @@ def main() -> None:
     summary = heal(HealSettings(
         model=str(converted), output=str(healed), data=data, teacher=model_dir, teacher_gguf_file=gguf,
         max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
-        train=args.train, lm_weight=args.lm_weight, eval_data=str(heldout), eval_every=args.eval_every,
+        train=args.train, lm_weight=args.lm_weight, cache_type=args.cache_type, eval_data=str(heldout),
+        eval_every=args.eval_every,
         eval_windows=args.eval_windows, save_every=args.save_every, resume=args.resume, overwrite=not args.resume,
     ))
     rows = [json.loads(line) for line in (Path(f"{healed}.ckpt") / "log.jsonl").read_text().splitlines()]
     scored = f"held-out {heldout.name}" if args.data.startswith("mix-") else "held-out news"
-    write_report(out, rows, original, summary, f"{args.data} ({scored}), lr {args.lr:g}, train {args.train}")
+    setup = f"{args.data} ({scored}), lr {args.lr:g}, train {args.train}"
+    if args.cache_type:
+        setup += (f", trained through a simulated {args.cache_type} KV cache (the perplexities below read it too; "
+                  "the original's is exact)")
+    write_report(out, rows, original, summary, setup)
     if cache_types:
         place_on_frontier(out, model_dir, gguf, {"converted": converted, f"healed {summary['tokens']} tokens": healed},
                           heldout, cache_types, args.frontier_chunks)

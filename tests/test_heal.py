@@ -209,3 +209,73 @@ def test_missing_data_leaves_no_checkpoint_dir(teacher_and_student, tmp_path, ca
                  str(tmp_path / "missing.txt"), "--max-steps", "2"])
     assert code == 2 and "does not exist" in capsys.readouterr().err
     assert not out.exists() and not Path(f"{out}.ckpt").exists()
+
+
+@pytest.fixture(scope="module")
+def qat_student(teacher_and_student, text_file, tmp_path_factory):
+    """The tiny teacher converted at latent 24 + rope 8: a 32-value cache row, one q4_0 block per token."""
+    from transmla_tool.convert import ConvertSettings, convert
+
+    teacher, _ = teacher_and_student
+    student = tmp_path_factory.mktemp("heal-qat") / "student"
+    convert(ConvertSettings(model=str(teacher), output=str(student), latent_dim=24, rope_dim=8,
+                            calib_data=str(text_file), calib_samples=8, calib_seq_len=64, dtype="float32",
+                            device="cpu", progress=False, method=PRESETS["closed-form"]))
+    return teacher, student
+
+
+def test_natural_attention_reads_through_the_cache_type():
+    """NaturalAttention with a cache type is the layer run over that quantized cache (the llama.cpp row store),
+    with straight-through gradients reaching every projection."""
+    from transmla_tool.heal.model import NaturalAttention
+    from transmla_tool.ops.kv_quant import cache_row_store
+    from transmla_tool.ops.mla import MLAWeights, mla_attention
+    from transmla_tool.ops.rope import rotation_cos_sin
+
+    gen = torch.Generator().manual_seed(0)
+    heads, r, dr, dn, dv, d = 2, 24, 8, 8, 8, 32
+    w = MLAWeights(q=torch.randn(heads * (dn + dr), d, generator=gen), kv_a=torch.randn(r + dr, d, generator=gen),
+                   kv_b=torch.randn(heads * (dn + dv), r, generator=gen), o=torch.randn(d, heads * dv, generator=gen),
+                   num_heads=heads, latent_dim=r, rope_dim=dr, nope_dim=dn, v_dim=dv)
+    x = torch.randn(2, 16, d, generator=gen)
+    cos, sin = (t.float() for t in rotation_cos_sin(10000.0 ** -(torch.arange(0, dr, 2) / dr), torch.arange(16)))
+    exact = NaturalAttention(w, 0)
+    quantized = NaturalAttention(w, 0, "q4_0")
+    out = quantized(x, (cos, sin))[0]
+    assert torch.allclose(out, mla_attention(x, w, cos, sin, cache_store=cache_row_store("q4_0", r)))
+    assert rel_err(out, exact(x, (cos, sin))[0]) > 1e-3  # the quantizer is really in the path
+    assert quantized.cache_reads == 1 and exact.cache_reads == 0
+    out.pow(2).sum().backward()
+    for proj in (quantized.q_proj, quantized.kv_a_proj, quantized.kv_b_proj, quantized.o_proj):
+        assert proj.weight.grad is not None and proj.weight.grad.abs().sum() > 0
+
+
+def test_quantization_aware_healing(qat_student, text_file, tmp_path):
+    """heal --cache-type q4_0 trains and evaluates through the simulated cache, records it, and says so on the
+    model card; the same run without it evaluates the same starting model exactly (a different number)."""
+    teacher, student = qat_student
+    runs = {}
+    for name, cache in (("exact", None), ("q4_0", "q4_0")):
+        out = tmp_path / name
+        summary = heal(_settings(teacher, student, text_file, out, max_steps=4, eval_every=4, cache_type=cache))
+        runs[name] = (out, summary, [r["eval_perplexity"] for r in _log(out) if "eval_perplexity" in r])
+    (out, summary, evals), (_, _, exact_evals) = runs["q4_0"], runs["exact"]
+    assert summary["settings"]["cache_type"] == "q4_0"
+    assert abs(evals[0] / exact_evals[0] - 1) > 1e-4, (evals, exact_evals)  # step 0 read the q4_0 cache
+    assert "Trained through a q4_0 KV cache" in (out / "README.md").read_text()
+    assert json.loads((out / "healing.json").read_text())["settings"]["cache_type"] == "q4_0"
+
+
+@pytest.mark.parametrize("cache,student_fixture,needle", [
+    ("iq4_nl", "qat_student", "healing can train through"),
+    ("q4_0", "teacher_and_student", "caches 16 values per token"),
+])
+def test_heal_cache_type_is_checked(request, text_file, tmp_path, capsys, cache, student_fixture, needle):
+    from transmla_tool.cli import main
+
+    teacher, student = request.getfixturevalue(student_fixture)
+    out = tmp_path / "h"
+    code = main(["heal", "--model", str(student), "--teacher", str(teacher), "--output", str(out), "--data",
+                 str(text_file), "--max-steps", "2", "--cache-type", cache])
+    assert code == 2 and needle in capsys.readouterr().err
+    assert not out.exists() and not Path(f"{out}.ckpt").exists()

@@ -96,7 +96,7 @@ def cmd_heal(args) -> int:
         teacher_gguf_file=args.teacher_gguf_file, text_field=args.text_field, max_tokens=args.max_tokens,
         max_steps=args.max_steps, seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
         lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, kd_weight=args.kd_weight,
-        lm_weight=args.lm_weight, temperature=args.temperature, train=args.train,
+        lm_weight=args.lm_weight, temperature=args.temperature, train=args.train, cache_type=args.cache_type,
         gradient_checkpointing=args.gradient_checkpointing, mixed_precision=args.mixed_precision,
         save_every=args.save_every, save_total_limit=args.save_total_limit, eval_data=args.eval_data, eval_every=args.eval_every,
         eval_windows=args.eval_windows, checkpoint_dir=args.checkpoint_dir, resume=args.resume, seed=args.seed,

@@ -47,5 +47,8 @@ def export(natural_state: dict, config, settings: HealSettings, tokenizer, summa
             section = (f"## Healing\n\nFine-tuned for {summary['steps']} steps ({summary['tokens']} tokens) on "
                        f"`{settings.data}` with {'distillation from `' + settings.teacher + '`' if settings.teacher else 'the LM loss'}"
                        f" (kd_weight {settings.kd_weight}, lm_weight {settings.lm_weight}), training "
-                       f"{settings.train} parameters; see healing.json.")
+                       f"{settings.train} parameters; see healing.json." + (
+                           f" Trained through a {settings.cache_type} KV cache (quantization-aware healing): serve it "
+                           f"with that cache type (e.g. llama.cpp `-ctk {settings.cache_type} -ctv {settings.cache_type}`); "
+                           "an exact cache is not what it was fitted for." if settings.cache_type else ""))
             write_model_card(Path(staging), conversion, stock.config, extra_sections=[section])

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..export import natural_attention, stock_attention
+from ..ops.kv_quant import cache_row_store
 from ..ops.mla import MLAWeights, mla_attention
 from ..runtime.cache_args import find_cache
 
@@ -20,11 +21,20 @@ ATTENTION_PARAMS = ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")
 
 
 class NaturalAttention(nn.Module):
-    """Drop-in for DeepseekV3Attention during training (packed causal windows, no KV cache)."""
+    """Drop-in for DeepseekV3Attention during training (packed causal windows, no KV cache).
 
-    def __init__(self, weights: MLAWeights, layer_idx: int):
+    cache_type (a llama.cpp cache type, ops/kv_quant.py): keys and values are read through that cache's
+    store-and-read-back, with the straight-through gradient, so the model learns to run over the quantized
+    cache a serving engine will hold (quantization-aware healing). `cache_reads` counts the forwards that
+    went through it.
+    """
+
+    def __init__(self, weights: MLAWeights, layer_idx: int, cache_type: str | None = None):
         super().__init__()
         self.layer_idx = layer_idx
+        self.cache_type = cache_type
+        self.cache_store = cache_row_store(cache_type, weights.latent_dim)
+        self.cache_reads = 0
         self.dims = dict(num_heads=weights.num_heads, latent_dim=weights.latent_dim, rope_dim=weights.rope_dim,
                          nope_dim=weights.nope_dim, v_dim=weights.v_dim)
         self.q_proj = _linear(weights.q, weights.q_bias)
@@ -41,7 +51,9 @@ class NaturalAttention(nn.Module):
         if find_cache(args, kwargs) is not None and kwargs.get("use_cache", True):
             raise RuntimeError("NaturalAttention has no KV cache: export the model to generate with it")
         cos, sin = position_embeddings
-        return mla_attention(hidden_states, self.weights(), cos, sin), None
+        if self.cache_store is not None:
+            self.cache_reads += 1
+        return mla_attention(hidden_states, self.weights(), cos, sin, cache_store=self.cache_store), None
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -52,11 +64,13 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return layer
 
 
-def to_natural(model) -> None:
-    """Swap every stock DeepseekV3Attention of `model` for its NaturalAttention, in place."""
+def to_natural(model, cache_type: str | None = None) -> None:
+    """Swap every stock DeepseekV3Attention of `model` for its NaturalAttention, in place (reading keys and
+    values through `cache_type`'s quantizer when given)."""
     for i, layer in enumerate(model.model.layers):
         stock = {k: v.detach() for k, v in layer.self_attn.state_dict().items()}
-        natural = NaturalAttention(natural_attention(stock, model.config), i).to(layer.input_layernorm.weight.device)
+        natural = NaturalAttention(natural_attention(stock, model.config), i, cache_type)
+        natural = natural.to(layer.input_layernorm.weight.device)
         layer.self_attn = natural
 
 

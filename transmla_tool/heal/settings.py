@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..ops.kv_quant import BLOCK, SIMULATED_CACHE_TYPES
+from ..ops.kv_quant import cache_type as kv_cache_type
 
 SETTINGS_FILE = "settings.json"  # in the checkpoint directory: what a --resume must match
 # Settings a resumed run may change: they do not touch the trained weights, the data order or the schedule.
@@ -34,6 +36,9 @@ class HealSettings:
     lm_weight: float = 0.0
     temperature: float = 1.0
     train: str = "attention"  # "attention" or "all"
+    # Quantization-aware healing: train through this llama.cpp cache type's quantizer (ops/kv_quant.py), for a
+    # model that will be served over that cache (None: an exact cache)
+    cache_type: str | None = None
     gradient_checkpointing: bool = False
     mixed_precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     save_every: int = 0  # steps between resumable checkpoints (0: only at the end)
@@ -51,6 +56,7 @@ class HealSettings:
     def validate(self) -> None:
         if self.train not in ("attention", "all"):
             raise UserError(f"--train must be attention or all, got {self.train}")
+        check_cache_type(self.cache_type)
         if self.teacher is None and self.lm_weight <= 0:
             raise UserError("without --teacher the distillation loss is unavailable: pass --teacher or --lm-weight > 0")
         if self.kd_weight < 0 or self.lm_weight < 0 or self.kd_weight + self.lm_weight <= 0:
@@ -70,6 +76,21 @@ class HealSettings:
         if not (Path(self.model) / "config.json").exists():
             raise UserError(f"--model {self.model} is not a directory written by transmla-tool convert")
         check_converted(self.model)
+
+
+def check_cache_type(name: str | None) -> None:
+    if name is not None and name not in SIMULATED_CACHE_TYPES:
+        raise UserError(f"--cache-type {name}: healing can train through {', '.join(SIMULATED_CACHE_TYPES)} (the cache "
+                        "types reproduced in torch); leave it out for an exact cache")
+
+
+def check_cache_row(name: str | None, row_values: int) -> None:
+    """A block-quantized cache stores each token's row [latent | rotary key] in blocks of 32 values (llama.cpp
+    refuses other row sizes): refuse to train for one the engine would not allocate."""
+    if name is not None and kv_cache_type(name).kind != "float" and row_values % BLOCK:
+        raise UserError(f"--cache-type {name} stores rows of {BLOCK}-value blocks, but this model caches "
+                        f"{row_values} values per token (latent + rope): convert with a latent that makes it a multiple "
+                        f"of {BLOCK}, or heal for an f16 cache")
 
 
 def check_converted(model_dir: str) -> None:

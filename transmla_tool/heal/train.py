@@ -26,7 +26,7 @@ from .checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, save_che
 from .data import train_batches
 from .export import checkpoint_dtype, export
 from .model import is_attention_param, to_natural
-from .settings import SETTINGS_FILE, HealSettings, check_fingerprint, fingerprint
+from .settings import SETTINGS_FILE, HealSettings, check_cache_row, check_fingerprint, fingerprint
 
 
 def _lr_lambda(total: int, warmup: int):
@@ -104,7 +104,8 @@ def _models(settings: HealSettings, accelerator):
     config = student.config
     if config.model_type != "deepseek_v3":
         raise UserError(f"--model {settings.model} is a {config.model_type} model, not a converted DeepSeek-V3 one")
-    to_natural(student)
+    check_cache_row(settings.cache_type, config.kv_lora_rank + config.qk_rope_head_dim)
+    to_natural(student, settings.cache_type)
     for name, param in student.named_parameters():
         param.requires_grad_(settings.train == "all" or is_attention_param(name))
     if settings.gradient_checkpointing:
