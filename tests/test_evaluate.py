@@ -11,6 +11,7 @@ from transmla_tool.cli import main
 from transmla_tool.evaluate.cache import measure_context
 from transmla_tool.evaluate.local_task import build_cloze_task
 from transmla_tool.evaluate.models import load_model
+from transmla_tool.errors import UserError
 from transmla_tool.evaluate.run import EvalSettings, run_eval
 
 
@@ -252,3 +253,66 @@ def test_sweep_checks_scoring_flags_first(converted_pair, text_file, tmp_path, c
                  "0", "--output-dir", str(tmp_path / "s")])
     assert code == 2 and "--eval-batch-size must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("which", ["source", "converted"])
+def test_perplexity_through_transformers_caches(converted_pair, which):
+    """Perplexity read through transformers' caches, chunk by chunk: the exact dynamic cache gives the plain
+    forward's number and holds 4 bytes per cached value (fp32); the quantized caches change the number and hold
+    what their formats say (fp8: one byte a value and one fp32 scale per tensor)."""
+    from transmla_tool.evaluate.perplexity import perplexity
+    from transmla_tool.evaluate.quantized_cache import cache_perplexity
+
+    from transmla_tool.evaluate.quantized_cache import _has_fp8_backend, parse_transformers_cache_types
+
+    src, out = converted_pair
+    model = load_model(str(src if which == "source" else out), None, torch.float32, torch.device("cpu"))
+    # 3 chunks a window: every transformers version we allow ends it with the whole cache flushed to its store
+    windows = torch.randint(3, 300, (3, 48), generator=torch.Generator().manual_seed(0))
+    values = 2 * 2 * 16 if which == "source" else 16 + 8
+    plain = perplexity(model, windows, progress=False)["perplexity"]
+    exact = cache_perplexity(model, windows, "dynamic", chunk=16, progress=False)
+    assert exact["perplexity"] == pytest.approx(plain, rel=1e-5) and exact["tokens"] == 3 * 47
+    assert exact["bytes"] == values * 4
+    int4 = cache_perplexity(model, windows, "quanto-int4", chunk=16, progress=False)
+    assert int4["bytes"] == pytest.approx(values * (0.5 + 8 / 64))  # packed codes + fp32 scale and shift per 64
+    assert int4["perplexity"] != exact["perplexity"] and int4["perplexity"] == pytest.approx(plain, rel=0.2)
+    if not _has_fp8_backend():  # transformers 5.15: refused with the reason, before any work
+        with pytest.raises(UserError, match="has no fp8 QuantizedCache backend"):
+            parse_transformers_cache_types(["fp8"])
+        return
+    fp8 = cache_perplexity(model, windows, "fp8", chunk=16, progress=False)
+    assert fp8["bytes"] == pytest.approx(values + 2 * 4 / 48)  # keys and values: one fp32 scale each per window
+    assert fp8["perplexity"] != exact["perplexity"] and fp8["perplexity"] == pytest.approx(plain, rel=0.05)
+
+
+def test_eval_transformers_cache_types(converted_pair, text_file, tmp_path):
+    src, out = converted_pair
+    settings = EvalSettings(original=str(src), converted=str(out), output_dir=str(tmp_path / "report"),
+                            data=str(text_file), seq_len=64, max_tokens=256, contexts=[64], new_tokens=2,
+                            device="cpu", progress=False, cache_types=["quanto-int4", "hqq-int4"])
+    report = run_eval(settings)
+    rows = {(r["model"], r["cache"]): r for r in report["cache_types"]}
+    assert set(rows) == {(m, c) for m in ("original", "converted") for c in ("dynamic", "quanto-int4", "hqq-int4")}
+    assert report["cache_types_reference"] == "dynamic"
+    assert rows["original", "dynamic"]["ratio"] == 1.0
+    assert rows["original", "dynamic"]["perplexity"] == pytest.approx(report["perplexity"]["original"], rel=1e-5)
+    assert rows["converted", "dynamic"]["bytes_per_token_per_layer"] == 24 * 4
+    assert rows["converted", "hqq-int4"]["bytes_per_token_per_layer"] < 24 * 4 / 4
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "transformers' caches" in text and "| converted | hqq-int4 |" in text
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--cache-types", "q4_0"], "'q4_0' is not one of transformers' caches"),
+    (["--cache-types", "quanto-int4", "--engine", "vllm"], "--kv-cache-dtype fp8"),
+])
+def test_eval_cache_types_checked_per_engine(capsys, converted_pair, tmp_path, text_file, monkeypatch, flags, needle):
+    from transmla_tool.evaluate.backends import transformers as backend
+
+    monkeypatch.setattr(backend, "load_model", lambda *a, **k: pytest.fail("loaded a model before checking its flags"))
+    src, out = converted_pair
+    code = main(["eval", "--original", str(src), "--converted", str(out), "--output-dir", str(tmp_path / "r"),
+                 "--data", str(text_file), "--device", "cpu", *flags])
+    assert code == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -9,7 +9,7 @@ import pytest
 from transmla_tool.cli import main
 from transmla_tool.errors import UserError
 from transmla_tool.evaluate.frontier import (Point, analytic_bytes, check_mla_types, markdown_table, pareto,
-                                             parse_cache_types, recommend)
+                                             parse_cache_types, points_from_sweep, recommend)
 
 
 def test_parse_cache_types():
@@ -73,8 +73,33 @@ def test_sweep_max_cache_bytes_in_transformers(make_model, text_file, tmp_path):
     assert "Recommendation" in (out / "sweep.md").read_text()
 
 
+def test_sweep_transformers_cache_types_recommend_from_measured_bytes(make_model, text_file, tmp_path):
+    """sweep --engine transformers --cache-types: every model read through transformers' caches, bytes as the caches
+    held them, ratios to the original through its exact cache, and the recommendation taken from those points."""
+    src = make_model("llama", kv_heads=2)
+    out = tmp_path / "s"
+    assert main(["sweep", "--model", str(src), "--output-dir", str(out), "--calib-data", str(text_file),
+                 "--calib-samples", "8", "--calib-seq-len", "64", "--rope-dim", "8", "--device", "cpu", "--dtype",
+                 "float32", "--method", "closed-form", "--no-progress", "--latent-dims", "24", "--data", str(text_file),
+                 "--seq-len", "64", "--max-tokens", "192", "--target", "transformers", "--cache-types", "quanto-int4",
+                 "--max-cache-bytes", "100"]) == 0
+    result = json.loads((out / "sweep.json").read_text())
+    assert result["engine"] == "transformers" and set(result["cache_types"]) == {"original", "24"}
+    original, latent = result["cache_types"]["original"], result["cache_types"]["24"]
+    assert set(original) == set(latent) == {"dynamic", "quanto-int4"}
+    assert original["dynamic"]["bytes"] == 2 * 2 * 16 * 4 and latent["dynamic"]["bytes"] == (24 + 8) * 4
+    assert original["dynamic"]["perplexity"] == pytest.approx(result["original"]["perplexity"], rel=1e-5)
+    points = points_from_sweep(result)
+    assert len(points) == 4 and min(p.ratio for p in points if p.kind == "original") == 1.0
+    fits = [p for p in points if p.bytes <= 100]
+    best = min(fits, key=lambda p: (p.ratio, p.bytes))
+    assert result["recommendation"]["point"]["cache"] == best.cache
+    assert result["recommendation"]["point"]["label"] == best.label
+    assert "Quality per cache byte in transformers" in (out / "sweep.md").read_text()
+
+
 @pytest.mark.parametrize("flags,needle", [
-    (["--cache-types", "q4_0"], "--cache-types is measured in llama.cpp"),
+    (["--cache-types", "q4_0"], "'q4_0' is not one of transformers' caches"),
     (["--engine", "llamacpp"], "reads the original as a GGUF"),
     (["--max-cache-bytes", "0"], "--max-cache-bytes must be > 0"),
 ])

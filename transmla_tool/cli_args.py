@@ -91,11 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "Llama-3 rope scaling as DeepSeek YaRN); sizes the engine refuses are converted and marked")
     p.add_argument("--biases", default="auto", choices=["auto", "keep", "drop"], help="as `convert --biases`")
     p.add_argument("--engine", default="transformers", choices=["transformers", "llamacpp"],
-                   help="score in transformers (16-bit cache), or in llama.cpp under each --cache-types (needs "
-                   "--gguf-file and `make engines`): perplexity per cache byte, the original's cache types included")
+                   help="score in transformers (16-bit cache, or its caches in --cache-types), or in llama.cpp under "
+                   "each --cache-types (needs --gguf-file and `make engines`): perplexity per cache byte, the "
+                   "original's cache types included")
     p.add_argument("--cache-types", default="",
                    help="--engine llamacpp: llama.cpp cache types (default f16,q8_0,q8_0/q5_0,q8_0/q4_0,q5_1,q5_0,q4_1,"
-                   "iq4_nl,q4_0; K/V pairs apply to the original, the latents take the K type)")
+                   "iq4_nl,q4_0; K/V pairs apply to the original, the latents take the K type); --engine "
+                   "transformers: its caches (fp8, quanto-int4, quanto-int2, hqq-int8, hqq-int4, hqq-int3, hqq-int2; "
+                   "none by default)")
     p.add_argument("--max-cache-bytes", type=float, default=None,
                    help="recommend the best measured configuration at <= this many cache bytes per token per layer "
                    "(the original with a quantized cache included: it says so when not converting is better)")
@@ -186,9 +189,11 @@ def _add_eval_args(p: argparse.ArgumentParser, with_bench: bool = True) -> None:
                    help="--engine llamacpp: native = the original GGUF as given and the converted exported at f32/bf16; "
                    "a type = both files at that type (the original re-typed by llama-quantize), for like-for-like speed")
     p.add_argument("--cache-types", default="",
-                   help="--engine llamacpp: also score both models under these KV-cache types (e.g. "
-                   "f16,q8_0,q5_0,q4_0,q8_0/q4_0; K/V pairs apply to the original, the converted model takes the K "
-                   "type) and report perplexity against the bytes allocated")
+                   help="also score both models under these KV-cache types and report perplexity against the bytes "
+                   "the cache holds. --engine llamacpp: llama.cpp's types (e.g. f16,q8_0,q5_0,q4_0,q8_0/q4_0; K/V pairs "
+                   "apply to the original, the converted model takes the K type); --engine transformers: its caches "
+                   "(fp8, quanto-int4, quanto-int2, hqq-int8, hqq-int4, hqq-int3, hqq-int2; the exact dynamic cache "
+                   "is the reference)")
     p.add_argument("--attention", default="both", choices=["stock", "absorbed", "both"],
                    help="converted model's decode path: transformers' stock attention, the absorbed MLA runtime "
                    "(transmla_tool.runtime.absorbed), or both side by side")

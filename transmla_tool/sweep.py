@@ -20,7 +20,8 @@ from .devices import resolve_device, resolve_eval_dtype
 from .engines import VLLM, sglang_size_ok
 from .errors import UserError
 from .evaluate.cache import cache_tensors_bytes, cached_values_per_token_per_layer, prefill
-from .evaluate.frontier import DEFAULT_ORIGINAL_TYPES, markdown_table, parse_cache_types, points_from_sweep, recommend
+from .evaluate.frontier import (DEFAULT_ORIGINAL_TYPES, markdown_table, parse_cache_types, points_from_sweep,
+                                recommend, reference_cache)
 from .evaluate.frontier import plot as plot_frontier
 from .evaluate.models import check_scoring, context_ids, load_model, load_tokenizer
 from .evaluate.perplexity import perplexity
@@ -119,9 +120,11 @@ def check_engine(settings: SweepSettings) -> list[str] | None:
     if settings.max_cache_bytes is not None and settings.max_cache_bytes <= 0:
         raise UserError(f"--max-cache-bytes must be > 0 bytes per token per layer, got {settings.max_cache_bytes}")
     if settings.engine == "transformers":
-        if settings.cache_types:
-            raise UserError("--cache-types is measured in llama.cpp: add --engine llamacpp")
-        return None
+        if not settings.cache_types:
+            return None
+        from .evaluate.quantized_cache import parse_transformers_cache_types
+
+        return parse_transformers_cache_types(settings.cache_types.split(","))
     if not settings.gguf_file:
         raise UserError("--engine llamacpp reads the original as a GGUF: pass --model DIR --gguf-file FILE")
     from .engines.llamacpp import llama_cpp_bin
@@ -140,14 +143,18 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
                             skip + max(1, settings.max_tokens // settings.seq_len), settings.text_field,
                             min_windows=skip + 1)[skip:]
     points = []
-    original = _score(settings.model, settings.gguf_file, windows, dtype, device, settings, "original")
+    in_transformers = types if settings.engine == "transformers" else None  # its caches, scored beside perplexity
+    original = _score(settings.model, settings.gguf_file, windows, dtype, device, settings, "original", in_transformers)
+    cache_types = {"original": original.pop("cache_types")} if in_transformers else None
     for r, path in outputs.items():
-        scored = _score(path, None, windows, dtype, device, settings, f"latent {r}")
+        scored = _score(path, None, windows, dtype, device, settings, f"latent {r}", in_transformers)
+        if in_transformers:
+            cache_types[str(r)] = scored.pop("cache_types")
         scored.update(latent_dim=r, conversion_seconds=summaries[r]["wall_time_s"],
                       vllm_size_ok=r + settings.rope_dim in VLLM.mla_sizes,
                       sglang_size_ok=sglang_size_ok(r, settings.rope_dim))
         points.append(scored)
-    if types is not None:
+    if types is not None and settings.engine == "llamacpp":
         import tempfile
 
         from .evaluate.frontier import score_in_llamacpp
@@ -168,7 +175,7 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
     }
     if types is not None:
         result["cache_types"] = cache_types
-        result["engine"] = "llama.cpp"
+        result["engine"] = "llama.cpp" if settings.engine == "llamacpp" else "transformers"
     if settings.max_cache_bytes is not None:
         best, advice = recommend(points_from_sweep(result), settings.max_cache_bytes)
         result["recommendation"] = {"max_cache_bytes": settings.max_cache_bytes, "advice": advice,
@@ -176,9 +183,14 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
     return result
 
 
-def _score(path, gguf_file, windows, dtype, device, settings, name) -> dict:
+def _score(path, gguf_file, windows, dtype, device, settings, name, cache_types=None) -> dict:
     model = load_model(path, gguf_file, dtype, device)
     ppl = perplexity(model, windows, settings.eval_batch_size, settings.progress, desc=f"perplexity ({name})")
+    through = None
+    if cache_types:
+        from .evaluate.quantized_cache import cache_perplexity
+
+        through = {t: cache_perplexity(model, windows, t, progress=settings.progress) for t in cache_types}
     cache, _ = prefill(model, context_ids(windows, 256).to(device), 256)
     measured = cache_tensors_bytes(cache) / (model.config.num_hidden_layers * 256 * model.dtype.itemsize)
     point = {
@@ -188,6 +200,8 @@ def _score(path, gguf_file, windows, dtype, device, settings, name) -> dict:
         "measured_values_per_token_per_layer": measured,
         "attention_bias": bool(getattr(model.config, "attention_bias", False)),
     }
+    if through is not None:
+        point["cache_types"] = through
     del model, cache
     gc.collect()
     return point
@@ -215,11 +229,17 @@ def markdown(result: dict) -> str:
             f"{'yes' if p.get('vllm_size_ok') else 'no'} | {'yes' if p.get('sglang_size_ok') else 'no'} |"
         )
     if "cache_types" in result:
-        lines += ["", "## Quality per cache byte in llama.cpp (its cache types, flash attention on)", "",
-                  "Ratio: llama.cpp perplexity over the original's with an f16 cache on the same text (the original "
-                  "as its GGUF re-typed to F32, each latent exported f32).", ""]
-        original = result["cache_types"]["original"]["f16"]["bytes"]
-        lines += markdown_table(points_from_sweep(result), original)
+        originals = result["cache_types"]["original"]
+        reference = reference_cache(originals)
+        if result.get("engine") == "transformers":
+            lines += ["", "## Quality per cache byte in transformers (its exact and quantized caches)", "",
+                      f"Ratio: perplexity read through each cache over the original's through the exact {reference} "
+                      "cache on the same windows (evaluate/quantized_cache.py says how).", ""]
+        else:
+            lines += ["", "## Quality per cache byte in llama.cpp (its cache types, flash attention on)", "",
+                      "Ratio: llama.cpp perplexity over the original's with an f16 cache on the same text (the "
+                      "original as its GGUF re-typed to F32, each latent exported f32).", ""]
+        lines += markdown_table(points_from_sweep(result), originals[reference]["bytes"])
     if "recommendation" in result:
         lines += ["", f"**Recommendation:** {result['recommendation']['advice']}."]
     return "\n".join(lines) + "\n"
@@ -227,8 +247,9 @@ def markdown(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> None:
     if "cache_types" in result:
-        original = result["cache_types"]["original"]["f16"]["bytes"]
-        plot_frontier(points_from_sweep(result), original, path, "perplexity per KV-cache byte in llama.cpp")
+        originals = result["cache_types"]["original"]
+        plot_frontier(points_from_sweep(result), originals[reference_cache(originals)]["bytes"], path,
+                      f"perplexity per KV-cache byte in {result.get('engine', 'llama.cpp')}")
         return
     import matplotlib
 

@@ -46,6 +46,13 @@ def check_mla_types(entries: list[str], flag: str = "--cache-types") -> None:
                         "model cannot take in llama.cpp (its values are a view of the cached latent); give one type")
 
 
+def reference_cache(types) -> str:
+    """The exact cache every cache-type ratio is taken to: llama.cpp's f16, or transformers' dynamic cache."""
+    from .quantized_cache import REFERENCE
+
+    return REFERENCE if REFERENCE in types else "f16"
+
+
 def analytic_bytes(entry: str, *, kv_values: int | None = None, mla_values: int | None = None) -> float:
     """Bytes per token per layer of a cache type: a GQA/MHA model caching `kv_values` keys and as many values,
     or an MLA model in llama.cpp caching one row of `mla_values` (latent + rope, the values a view of it)."""
@@ -56,7 +63,10 @@ def analytic_bytes(entry: str, *, kv_values: int | None = None, mla_values: int 
 
 
 def bits_per_value(entry: str) -> str:
+    """Nominal bits per cached value of a llama.cpp type ("-" for transformers' caches: their bytes are measured)."""
     k, v = split_types(entry)
+    if k not in CACHE_TYPES or v not in CACHE_TYPES:
+        return "-"
     bk, bv = (CACHE_TYPES[t].bytes_per_value * 8 for t in (k, v))
     return f"{bk:g}" if k == v else f"{bk:g}/{bv:g}"
 
@@ -157,11 +167,12 @@ def plot(points: list[Point], reference_bytes: float, path, title: str) -> None:
 
 
 def points_from_sweep(result: dict) -> list[Point]:
-    """Frontier points of a `sweep` result: its llama.cpp cache-type measurements, or (transformers) each model
-    at a 16-bit cache, bytes = cached values x 2."""
+    """Frontier points of a `sweep` result: its cache-type measurements (llama.cpp's, or transformers' caches), or
+    (transformers without cache types) each model at a 16-bit cache, bytes = cached values x 2."""
     rope = result["settings"]["rope_dim"]
     if "cache_types" in result:
-        reference = result["cache_types"]["original"]["f16"]["perplexity"]
+        originals = result["cache_types"]["original"]
+        reference = originals[reference_cache(originals)]["perplexity"]
         points = []
         for key, types in result["cache_types"].items():
             latent = None if key == "original" else int(key)

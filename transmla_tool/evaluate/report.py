@@ -77,8 +77,11 @@ def markdown(report: dict) -> str:
                 f"{_fmt(steps[r]['gpu_kernel_ms_per_step'], 3)} / {_fmt(steps[r]['step_ms_median'], 3)}"
                 for r in runs) + " |")
     if report.get("cache_types"):
-        lines += ["", "## Perplexity per KV-cache byte (llama.cpp cache types, flash attention on)", "",
-                  "| model | cache | bytes/token/layer | perplexity | ratio to original with f16 cache |",
+        reference = report.get("cache_types_reference", "f16")
+        engine = ("llama.cpp cache types, flash attention on" if reference == "f16"
+                  else "transformers' caches: the exact dynamic cache and QuantizedCache backends")
+        lines += ["", f"## Perplexity per KV-cache byte ({engine})", "",
+                  f"| model | cache | bytes/token/layer | perplexity | ratio to original with {reference} cache |",
                   "|---|---|---|---|---|"]
         for row in sorted(report["cache_types"], key=lambda r: -r["bytes_per_token_per_layer"]):
             lines.append(f"| {row['model']} | {row['cache']} | {row['bytes_per_token_per_layer']:.0f} | "

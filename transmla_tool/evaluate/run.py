@@ -18,6 +18,7 @@ from ..devices import resolve_device, resolve_eval_dtype
 from ..errors import UserError
 from .backends import BACKENDS, backend
 from .backends.transformers import ATTENTION_MODES
+from .frontier import reference_cache
 from .models import check_scoring, load_tokenizer
 from .report import write_report
 
@@ -81,12 +82,17 @@ def check_settings(settings: EvalSettings, converted_exists: bool = True):
     if settings.skip_windows < 0:
         raise UserError(f"--skip-windows must be >= 0, got {settings.skip_windows}")
     if settings.cache_types:
-        from .frontier import parse_cache_types
+        if settings.engine == "llamacpp":
+            from .frontier import parse_cache_types
 
-        if settings.engine != "llamacpp":
-            raise UserError("--cache-types is measured in llama.cpp: add --engine llamacpp (vLLM's fp8 cache and "
-                            "transformers' quantized caches are not measured by eval; see the README's Serving notes)")
-        parse_cache_types(",".join(settings.cache_types))  # K/V pairs: the original only (MLA takes the K type)
+            parse_cache_types(",".join(settings.cache_types))  # K/V pairs: the original only (MLA takes the K type)
+        elif settings.engine == "transformers":
+            from .quantized_cache import parse_transformers_cache_types
+
+            parse_transformers_cache_types(settings.cache_types)
+        else:
+            raise UserError("--cache-types is measured in llama.cpp (--engine llamacpp) or transformers (its "
+                            "quantized caches); for vLLM's fp8 cache use --kv-cache-dtype fp8")
     if settings.tasks and settings.engine != "transformers":
         raise UserError(f"--tasks (lm-eval) runs through transformers; drop --tasks or --engine {settings.engine}")
     return device, dtype
@@ -158,6 +164,7 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
                 )
     if "cache_types" in orig:
         report["cache_types"] = cache_type_table(results)
+        report["cache_types_reference"] = reference_cache(orig["cache_types"])
     if "lm_eval" in orig:
         report["lm_eval"] = {
             task: {
@@ -194,6 +201,14 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
         report["notes"].append(
             f"Decode speed: median of {settings.new_tokens} timed greedy steps after {settings.warmup_tokens} "
             "untimed warm-up steps, batch 1; peak memory covers the prefill and the decode.")
+        if "cache_types" in orig:
+            chunk = orig["cache_types"][reference_cache(orig["cache_types"])]["chunk"]
+            report["notes"].append(
+                f"Cache types: each window fed {chunk} tokens at a time through transformers' cache of that type "
+                "(QuantizedCache with no full-precision residual window: every earlier token is read back "
+                "quantized), perplexity over every position; bytes = what the cache holds at the end of a window "
+                "(codes, scales, zero points) per token per layer. The exact reference is the dynamic cache in the "
+                "model's dtype.")
     report["settings"] = {k: v for k, v in asdict(settings).items() if k != "progress"}
     report["environment"] = {
         "engine": (settings.engine if settings.engine == "transformers"
@@ -207,8 +222,10 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
 
 def cache_type_table(results: dict) -> list[dict]:
     """Each model under each cache type: bytes per token per layer allocated, perplexity, and its ratio to the
-    original with an f16 cache (the f16 point is measured for that reference when not asked for)."""
-    reference = results["original"]["cache_types"]["f16"]["perplexity"]
+    original with the exact cache (f16 in llama.cpp, measured for that reference when not asked for; the dynamic
+    cache in transformers)."""
+    types = results["original"]["cache_types"]
+    reference = types[reference_cache(types)]["perplexity"]
     rows = []
     for model in ("original", "converted"):
         for cache, measured in results[model]["cache_types"].items():

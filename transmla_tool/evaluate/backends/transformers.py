@@ -66,6 +66,11 @@ def evaluate_model(name: str, path: str, gguf_file, settings, windows, tokenizer
     result = model_entry(path, gguf_file, config, sum(p.numel() for p in model.parameters()))
     result["perplexity"] = perplexity(model, windows, settings.batch_size, settings.progress,
                                       desc=f"perplexity ({name})")
+    if settings.cache_types:
+        from ..quantized_cache import cache_perplexity, parse_transformers_cache_types
+
+        result["cache_types"] = {name: cache_perplexity(model, windows, name, progress=settings.progress)
+                                 for name in parse_transformers_cache_types(settings.cache_types)}
     result["contexts"] = {}
     modes = decode_modes(config, settings.attention)
     for length in tqdm(settings.contexts, desc=f"cache + decode ({name})", disable=not settings.progress):
