@@ -110,7 +110,10 @@ def cache_perplexity(model, windows: torch.Tensor, name: str, chunk: int = CACHE
     nll, count, held, cached = 0.0, 0, 0, 0
     for window in tqdm(windows, desc=f"perplexity through a {name} cache", disable=not progress):
         ids = window[None].to(device)
-        cache = make_cache(name, model.config)
+        try:
+            cache = make_cache(name, model.config)
+        except ValueError as exc:  # e.g. QuantizedCache refuses a model with sliding-window layers
+            raise UserError(f"transformers' {name} cache cannot hold this model's cache: {exc}") from None
         length = ids.shape[1]
         for start in range(0, length, chunk):
             piece = ids[:, start:start + chunk]
