@@ -489,8 +489,9 @@ def _store_through(attention, store):
 
 @pytest.mark.slow  # the real SmolLM2: kept out of the oldest-transformers run
 def test_sweep_in_llamacpp_recommends_from_measured_points(tmp_path):
-    """`sweep --engine llamacpp --max-cache-bytes`: each latent and the original scored in llama.cpp under each cache
-    type, bytes as allocated, and the recommendation is the best measured point that fits the budget."""
+    """`sweep --engine llamacpp --max-cache-bytes`: each latent at each rope dim (llama.cpp runs a 32-value rotary key
+    too) and the original scored in llama.cpp under each cache type, bytes as allocated, and the recommendation is
+    the best measured point that fits the budget."""
     import json
 
     from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
@@ -500,21 +501,24 @@ def test_sweep_in_llamacpp_recommends_from_measured_points(tmp_path):
     model_dir, gguf = smollm2_gguf()
     calib, heldout = split_documents(lee_corpus(), tmp_path / "data")
     out = tmp_path / "sweep"
-    assert main(["sweep", "--model", model_dir, "--gguf-file", gguf, "--latent-dims", "64,128", "--output-dir", str(out),
+    assert main(["sweep", "--model", model_dir, "--gguf-file", gguf, "--latent-dims", "64,128", "--rope-dim", "64,32",
+                 "--output-dir", str(out),
                  "--calib-data", str(calib), "--calib-samples", "8", "--calib-seq-len", "256", "--data", str(heldout),
                  "--seq-len", "512", "--max-tokens", "2048", "--method", "closed-form", "--target", "llamacpp",
                  "--engine", "llamacpp", "--cache-types", "f16,q8_0,q4_0", "--max-cache-bytes", "230",
                  "--device", "cpu", "--dtype", "float32", "--no-progress"]) == 0
     result = json.loads((out / "sweep.json").read_text())
     sizes = {key: {t: round(m["bytes"]) for t, m in types.items()} for key, types in result["cache_types"].items()}
-    assert sizes == {"original": {"f16": 768, "q8_0": 408, "q4_0": 216}, "64": {"f16": 256, "q8_0": 136, "q4_0": 72},
-                     "128": {"f16": 384, "q8_0": 204, "q4_0": 108}}, sizes
+    assert sizes == {"original": {"f16": 768, "q8_0": 408, "q4_0": 216},
+                     "64+64": {"f16": 256, "q8_0": 136, "q4_0": 72}, "128+64": {"f16": 384, "q8_0": 204, "q4_0": 108},
+                     "64+32": {"f16": 192, "q8_0": 102, "q4_0": 54}, "128+32": {"f16": 320, "q8_0": 170, "q4_0": 90}}, sizes
     reference = result["cache_types"]["original"]["f16"]["perplexity"]
     fits = [(m["perplexity"] / reference, key, t) for key, types in result["cache_types"].items()
             for t, m in types.items() if m["bytes"] <= 230]
     best = min(fits)
     point = result["recommendation"]["point"]
-    assert (point["cache"], point["latent_dim"]) == (best[2], None if best[1] == "original" else int(best[1]))
+    expected = (None, None) if best[1] == "original" else tuple(int(v) for v in best[1].split("+"))
+    assert (point["cache"], point["latent_dim"], point["rope_dim"]) == (best[2], *expected)
     print(result["recommendation"]["advice"])
     assert "Recommendation" in (out / "sweep.md").read_text() and (out / "sweep.png").exists()
 

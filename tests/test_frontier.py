@@ -84,8 +84,8 @@ def test_sweep_transformers_cache_types_recommend_from_measured_bytes(make_model
                  "--seq-len", "64", "--max-tokens", "192", "--target", "transformers", "--cache-types", "quanto-int4",
                  "--max-cache-bytes", "100"]) == 0
     result = json.loads((out / "sweep.json").read_text())
-    assert result["engine"] == "transformers" and set(result["cache_types"]) == {"original", "24"}
-    original, latent = result["cache_types"]["original"], result["cache_types"]["24"]
+    assert result["engine"] == "transformers" and set(result["cache_types"]) == {"original", "24+8"}
+    original, latent = result["cache_types"]["original"], result["cache_types"]["24+8"]
     assert set(original) == set(latent) == {"dynamic", "quanto-int4"}
     assert original["dynamic"]["bytes"] == 2 * 2 * 16 * 4 and latent["dynamic"]["bytes"] == (24 + 8) * 4
     assert original["dynamic"]["perplexity"] == pytest.approx(result["original"]["perplexity"], rel=1e-5)
@@ -107,5 +107,47 @@ def test_sweep_engine_flags_checked_before_converting(make_model, text_file, tmp
     src = make_model("llama", kv_heads=2)
     code = main(["sweep", "--model", str(src), "--calib-data", str(text_file), "--latent-dims", "16",
                  "--data", str(text_file), "--output-dir", str(tmp_path / "s"), "--rope-dim", "8", *flags])
+    assert code == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+def test_sweep_several_rope_dims(make_model, text_file, tmp_path):
+    """`sweep --rope-dim 8,4`: every latent dim converted at each rope dim, each point the size it says it is, and the
+    recommendation chosen among all of them."""
+    src = make_model("llama", kv_heads=2)
+    out = tmp_path / "s"
+    assert main(["sweep", "--model", str(src), "--output-dir", str(out), "--calib-data", str(text_file),
+                 "--calib-samples", "8", "--calib-seq-len", "64", "--rope-dim", "8,4", "--device", "cpu", "--dtype",
+                 "float32", "--method", "closed-form", "--no-progress", "--latent-dims", "16,24", "--data",
+                 str(text_file), "--seq-len", "64", "--max-tokens", "640", "--target", "transformers",
+                 "--max-cache-bytes", "60", "--keep-checkpoints"]) == 0
+    result = json.loads((out / "sweep.json").read_text())
+    pairs = {(p["latent_dim"], p["rope_dim"]): p for p in result["points"]}
+    assert set(pairs) == {(16, 8), (24, 8), (16, 4), (24, 4)}
+    for (latent, rope), p in pairs.items():
+        assert p["values_per_token_per_layer"] == p["measured_values_per_token_per_layer"] == latent + rope
+        config = json.loads((out / "checkpoints" / f"latent{latent}-rope{rope}" / "config.json").read_text())
+        assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (latent, rope)
+    # the same latent with a smaller rotary key is a different model: the rope dim reached the conversion
+    assert pairs[(24, 4)]["perplexity"] != pairs[(24, 8)]["perplexity"]
+    fits = {k: p["perplexity"] for k, p in pairs.items() if 2 * sum(k) <= 60}
+    assert set(fits) == {(16, 8), (24, 4), (16, 4)}
+    best = result["recommendation"]["point"]
+    assert (best["latent_dim"], best["rope_dim"]) == min(fits, key=fits.get)
+    assert "| 24 + 4 |" in (out / "sweep.md").read_text()
+
+
+@pytest.mark.parametrize("rope,needle", [("8,8", "distinct values"), ("8,6", "--rope-dim 6 must divide head_dim")])
+def test_sweep_rope_dims_checked_before_converting(make_model, text_file, tmp_path, capsys, monkeypatch, rope, needle):
+    """A bad second rope dim is refused before the first one converts (nothing written, nothing converted)."""
+    from transmla_tool import sweep
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted before every rope dim was checked")
+
+    monkeypatch.setattr(sweep, "convert_many", no_conversion)
+    src = make_model("llama", kv_heads=2)
+    code = main(["sweep", "--model", str(src), "--calib-data", str(text_file), "--latent-dims", "16",
+                 "--data", str(text_file), "--output-dir", str(tmp_path / "s"), "--rope-dim", rope])
     assert code == 2 and needle in capsys.readouterr().err
     assert not (tmp_path / "s").exists()

@@ -72,7 +72,8 @@ def cmd_sweep(args) -> int:
     settings = SweepSettings(
         model=args.model, gguf_file=args.gguf_file, revision=args.revision,
         latent_dims=_int_list(args.latent_dims, "--latent-dims"), output_dir=args.output_dir,
-        overwrite=args.overwrite, keep_checkpoints=args.keep_checkpoints, rope_dim=args.rope_dim,
+        overwrite=args.overwrite, keep_checkpoints=args.keep_checkpoints,
+        rope_dims=tuple(_int_list(str(args.rope_dim), "--rope-dim")),
         data=args.data, calib_data=args.calib_data, calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len, text_field=args.text_field, method=args.method,
         overrides=args.overrides, seq_len=args.seq_len, max_tokens=args.max_tokens,

@@ -17,10 +17,16 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _add_convert_args(p: argparse.ArgumentParser, calib_default: str | None = "default") -> None:
+def _add_convert_args(p: argparse.ArgumentParser, calib_default: str | None = "default",
+                      several_ropes: bool = False) -> None:
     from .convert import DEFAULT_CALIB_DATA
 
-    p.add_argument("--rope-dim", type=int, default=64, help="qk_rope_head_dim (64: what MLA kernels want)")
+    if several_ropes:
+        p.add_argument("--rope-dim", default="64",
+                       help="qk_rope_head_dim, or several comma-separated (e.g. 32,64): every latent dim is converted "
+                       "at each (one calibration pass per rope dim); 64 is DeepSeek's size, llama.cpp runs any")
+    else:
+        p.add_argument("--rope-dim", type=int, default=64, help="qk_rope_head_dim (64: what MLA kernels want)")
     p.add_argument("--calib-data", default=DEFAULT_CALIB_DATA if calib_default else None,
                    help="local .txt/.jsonl/.parquet or datasets spec NAME[:CONFIG][@SPLIT], or a mix of them: "
                    "SPEC=WEIGHT,SPEC=WEIGHT,... (windows per source in proportion, interleaved; default: web text, "
@@ -102,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cache-bytes", type=float, default=None,
                    help="recommend the best measured configuration at <= this many cache bytes per token per layer "
                    "(the original with a quantized cache included: it says so when not converting is better)")
-    _add_convert_args(p, calib_default=None)
+    _add_convert_args(p, calib_default=None, several_ropes=True)
     _add_eval_args(p, with_bench=False)
     _add_runtime_args(p)
 

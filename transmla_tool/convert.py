@@ -129,6 +129,23 @@ def convert(settings: ConvertSettings, on_layer=None) -> dict:
     return convert_many(settings, {settings.latent_dim: settings.output}, on_layer=on_layer)[settings.latent_dim]
 
 
+def check_outputs(settings: ConvertSettings, latent_dims) -> None:
+    """What convert_many refuses before any work, checked without converting: for a caller that converts
+    several times (sweep at several rope dims) and must not fail on a later one after finishing the first."""
+    settings.method.validate()
+    _open_checked(settings, latent_dims, Stages())
+
+
+def _open_checked(settings: ConvertSettings, latent_dims, stage: Stages):
+    """The source and its attention geometry, every output's settings validated against it."""
+    with stage("open source"):
+        source = open_source(settings.model, settings.gguf_file, settings.revision)
+    geometry = check_supported(source.config, ignore_sliding_window=settings.ignore_sliding_window)
+    for latent_dim in latent_dims:
+        validate(replace(settings, latent_dim=latent_dim), geometry)
+    return source, geometry
+
+
 def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=None) -> dict[int, dict]:
     """Convert once per latent dim in `outputs` ({latent_dim: output dir}) sharing one pass of
     calibration through the source model. Returns the summary of each output."""
@@ -138,12 +155,8 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
     for output in outputs.values():
         check_target(output, settings.overwrite or settings.resume and staging_path(output).exists())
     stage = Stages()
-    with stage("open source"):
-        source = open_source(settings.model, settings.gguf_file, settings.revision)
-    geometry = check_supported(source.config, ignore_sliding_window=settings.ignore_sliding_window)
+    source, geometry = _open_checked(settings, outputs, stage)
     source = llama_view(source, geometry)  # Granite, Phi-3, Gemma: an exact Llama view (arch/rewrite.py)
-    for latent_dim in outputs:
-        validate(replace(settings, latent_dim=latent_dim), geometry)
     device = stage.device = resolve_device(settings.device)
     out_dtype = resolve_dtype(settings.dtype, source.config)
     with stage("calibration text"):

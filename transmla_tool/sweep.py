@@ -1,7 +1,8 @@
-"""`transmla-tool sweep`: perplexity against cache size, to pick a latent dim.
+"""`transmla-tool sweep`: perplexity against cache size, to pick a latent dim (and a rope dim).
 
-Calibrates once (one pass through the source model produces every latent dim), then scores each
-converted checkpoint and the original under the same perplexity protocol.
+Calibrates once per rope dim (one pass through the source model produces every latent dim), then scores
+each converted checkpoint and the original under the same perplexity protocol. A point is a latent dim at a
+rope dim: `--rope-dim 32,64` converts every latent dim at both.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .convert import ConvertSettings, convert_many
+from .convert import ConvertSettings, check_outputs, convert_many
 from .data import token_windows
 from .devices import resolve_device, resolve_eval_dtype
 from .engines import VLLM, sglang_size_ok
@@ -39,7 +40,7 @@ class SweepSettings:
     revision: str | None = None
     overwrite: bool = False
     keep_checkpoints: bool = False
-    rope_dim: int = 64
+    rope_dims: tuple[int, ...] = (64,)  # each latent dim is converted at each of these qk_rope_head_dims
     calib_data: str | None = None
     calib_samples: int = ConvertSettings.calib_samples
     calib_seq_len: int = 512
@@ -79,17 +80,15 @@ def run_sweep(settings: SweepSettings) -> dict:
     start = time.time()
     if len(set(settings.latent_dims)) != len(settings.latent_dims):
         raise UserError("--latent-dims has duplicates")
+    if not settings.rope_dims or len(set(settings.rope_dims)) != len(settings.rope_dims):
+        raise UserError("--rope-dim needs one or more distinct values, e.g. 64 or 32,64")
     check_scoring(settings.eval_batch_size, settings.seq_len, settings.max_tokens)
     types = check_engine(settings)
     out = check_target(settings.output_dir, settings.overwrite)
-    parents = make_parents(out)
-    created = not out.exists()
-    out.mkdir(exist_ok=True)
-    checkpoints = out / "checkpoints"
-    outputs = {r: str(checkpoints / f"latent{r}") for r in sorted(settings.latent_dims)}
+    ropes = sorted(settings.rope_dims, reverse=True)
     convert_settings = ConvertSettings(
         model=settings.model, gguf_file=settings.gguf_file, revision=settings.revision, output="",
-        latent_dim=max(outputs), rope_dim=settings.rope_dim, calib_data=settings.calib_data or settings.data,
+        latent_dim=max(settings.latent_dims), rope_dim=ropes[0], calib_data=settings.calib_data or settings.data,
         calib_samples=settings.calib_samples, calib_seq_len=settings.calib_seq_len,
         text_field=settings.text_field, dtype=settings.dtype, device=settings.device, seed=settings.seed,
         overwrite=True, method=resolve_method(settings.method, list(settings.overrides)),
@@ -97,8 +96,20 @@ def run_sweep(settings: SweepSettings) -> dict:
         batch_size=settings.batch_size, progress=settings.progress, target=settings.target, biases=settings.biases,
         refuse_unservable=False,
     )
+    for rope in ropes[1:]:  # every further rope dim checked before the first one converts (the first: by convert_many)
+        check_outputs(replace(convert_settings, rope_dim=rope), settings.latent_dims)
+    parents = make_parents(out)
+    created = not out.exists()
+    out.mkdir(exist_ok=True)
+    checkpoints = out / "checkpoints"
+    named = (lambda r, p: f"latent{r}") if len(ropes) == 1 else (lambda r, p: f"latent{r}-rope{p}")
+    outputs = {(r, p): str(checkpoints / named(r, p)) for p in ropes for r in sorted(settings.latent_dims)}
     try:
-        summaries = convert_many(convert_settings, outputs)
+        summaries = {}
+        for rope in ropes:
+            done = convert_many(replace(convert_settings, rope_dim=rope),
+                                {r: outputs[(r, rope)] for r in sorted(settings.latent_dims)})
+            summaries.update({(r, rope): summary for r, summary in done.items()})
         result = _evaluate(settings, outputs, summaries, start, types)
     except BaseException:
         # a failed sweep leaves nothing that a rerun would have to --overwrite
@@ -146,13 +157,12 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
     in_transformers = types if settings.engine == "transformers" else None  # its caches, scored beside perplexity
     original = _score(settings.model, settings.gguf_file, windows, dtype, device, settings, "original", in_transformers)
     cache_types = {"original": original.pop("cache_types")} if in_transformers else None
-    for r, path in outputs.items():
-        scored = _score(path, None, windows, dtype, device, settings, f"latent {r}", in_transformers)
+    for (r, rope), path in outputs.items():
+        scored = _score(path, None, windows, dtype, device, settings, f"latent {r} + {rope}", in_transformers)
         if in_transformers:
-            cache_types[str(r)] = scored.pop("cache_types")
-        scored.update(latent_dim=r, conversion_seconds=summaries[r]["wall_time_s"],
-                      vllm_size_ok=r + settings.rope_dim in VLLM.mla_sizes,
-                      sglang_size_ok=sglang_size_ok(r, settings.rope_dim))
+            cache_types[point_key(r, rope)] = scored.pop("cache_types")
+        scored.update(latent_dim=r, rope_dim=rope, conversion_seconds=summaries[(r, rope)]["wall_time_s"],
+                      vllm_size_ok=r + rope in VLLM.mla_sizes, sglang_size_ok=sglang_size_ok(r, rope))
         points.append(scored)
     if types is not None and settings.engine == "llamacpp":
         import tempfile
@@ -162,8 +172,9 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
         with tempfile.TemporaryDirectory() as tmp:
             text = Path(tmp) / "windows.txt"
             text.write_text(tokenizer.decode(windows.reshape(-1).tolist(), skip_special_tokens=True))
-            cache_types = score_in_llamacpp(settings.model, settings.gguf_file, outputs, text, settings.seq_len,
-                                            len(windows), types, types, tmp)
+            cache_types = score_in_llamacpp(settings.model, settings.gguf_file,
+                                            {point_key(*key): path for key, path in outputs.items()}, text,
+                                            settings.seq_len, len(windows), types, types, tmp)
     result = {
         "original": original,
         "points": points,
@@ -181,6 +192,11 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
         result["recommendation"] = {"max_cache_bytes": settings.max_cache_bytes, "advice": advice,
                                     "point": best.as_dict() if best else None}
     return result
+
+
+def point_key(latent: int, rope: int) -> str:
+    """How a converted point is named in sweep.json's cache_types: "LATENT+ROPE"."""
+    return f"{latent}+{rope}"
 
 
 def _score(path, gguf_file, windows, dtype, device, settings, name, cache_types=None) -> dict:
@@ -217,13 +233,13 @@ def markdown(result: dict) -> str:
         f"{conv.get('biases', '?')}` writes it; a size that target's engine refuses is converted anyway and "
         "marked in its column.",
         "",
-        "| latent | cache values/token/layer | cache fraction | perplexity | ratio to original | vLLM MLA size | SGLang size (read, not run) |",
+        "| latent + rope | cache values/token/layer | cache fraction | perplexity | ratio to original | vLLM MLA size | SGLang size (read, not run) |",
         "|---|---|---|---|---|---|---|",
         f"| original | {orig['values_per_token_per_layer']} | 1.000 | {orig['perplexity']:.3f} | 1.000 | | |",
     ]
     for p in result["points"]:
         lines.append(
-            f"| {p['latent_dim']} | {p['values_per_token_per_layer']} | "
+            f"| {p['latent_dim']} + {p['rope_dim']} | {p['values_per_token_per_layer']} | "
             f"{p['values_per_token_per_layer'] / orig['values_per_token_per_layer']:.3f} | "
             f"{p['perplexity']:.3f} | {p['perplexity'] / orig['perplexity']:.3f} | "
             f"{'yes' if p.get('vllm_size_ok') else 'no'} | {'yes' if p.get('sglang_size_ok') else 'no'} |"
@@ -257,15 +273,17 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     orig = result["original"]
-    xs = [p["values_per_token_per_layer"] for p in result["points"]]
-    ys = [p["perplexity"] for p in result["points"]]
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    ax.plot(xs, ys, marker="o", label="converted (training-free)")
+    ropes = list(dict.fromkeys(p["rope_dim"] for p in result["points"]))
+    for rope in ropes:
+        mine = [p for p in result["points"] if p["rope_dim"] == rope]
+        ax.plot([p["values_per_token_per_layer"] for p in mine], [p["perplexity"] for p in mine], marker="o",
+                label="converted (training-free)" + (f", rope {rope}" if len(ropes) > 1 else ""))
     ax.axhline(orig["perplexity"], color="gray", linestyle="--", label="original")
     ax.axvline(orig["values_per_token_per_layer"], color="gray", linestyle=":", linewidth=0.8)
     for p in result["points"]:
-        ax.annotate(str(p["latent_dim"]), (p["values_per_token_per_layer"], p["perplexity"]), fontsize=8,
-                    textcoords="offset points", xytext=(3, 3))
+        ax.annotate(f"{p['latent_dim']}+{p['rope_dim']}", (p["values_per_token_per_layer"], p["perplexity"]),
+                    fontsize=8, textcoords="offset points", xytext=(3, 3))
     servable = [p for p in result["points"] if p.get("vllm_size_ok")]
     if servable:
         ax.scatter([p["values_per_token_per_layer"] for p in servable], [p["perplexity"] for p in servable], s=120,

@@ -169,25 +169,24 @@ def plot(points: list[Point], reference_bytes: float, path, title: str) -> None:
 def points_from_sweep(result: dict) -> list[Point]:
     """Frontier points of a `sweep` result: its cache-type measurements (llama.cpp's, or transformers' caches), or
     (transformers without cache types) each model at a 16-bit cache, bytes = cached values x 2."""
-    rope = result["settings"]["rope_dim"]
     if "cache_types" in result:
         originals = result["cache_types"]["original"]
         reference = originals[reference_cache(originals)]["perplexity"]
         points = []
         for key, types in result["cache_types"].items():
-            latent = None if key == "original" else int(key)
+            latent, rope = (None, None) if key == "original" else map(int, key.split("+"))  # sweep.point_key
             label = "original" if latent is None else f"latent {latent} + {rope}"
             for entry, m in types.items():
                 points.append(Point(label=label, kind="original" if latent is None else "converted", cache=entry,
                                     bytes=round(m["bytes"], 1), ratio=m["perplexity"] / reference, latent_dim=latent,
-                                    rope_dim=None if latent is None else rope))
+                                    rope_dim=rope))
         return points
     reference = result["original"]["perplexity"]
     points = [Point(label="original", kind="original", cache="16-bit", ratio=1.0,
                     bytes=2.0 * result["original"]["values_per_token_per_layer"])]
-    points += [Point(label=f"latent {p['latent_dim']} + {rope}", kind="converted", cache="16-bit",
+    points += [Point(label=f"latent {p['latent_dim']} + {p['rope_dim']}", kind="converted", cache="16-bit",
                      bytes=2.0 * p["values_per_token_per_layer"], ratio=p["perplexity"] / reference,
-                     latent_dim=p["latent_dim"], rope_dim=rope) for p in result["points"]]
+                     latent_dim=p["latent_dim"], rope_dim=p["rope_dim"]) for p in result["points"]]
     return points
 
 
