@@ -1,4 +1,5 @@
-"""Healing benchmark: SmolLM2-135M converted at 192 of 384 cache values, distilled from the original.
+"""Healing benchmark: SmolLM2-135M converted at 128 + 64 of 384 cache values (--latent-dim, --rope-dim), distilled
+from the original.
 
     python eval/heal.py --output-dir runs/heal-news --max-tokens 81920 --eval-every 10
     python eval/prepare_heal_data.py                 # once: Debian's linux-doc-6.1 text -> .data/linux-doc.jsonl
@@ -48,6 +49,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/heal")
     parser.add_argument("--data", default="news", help="training text: `news` or a local file / datasets spec")
     parser.add_argument("--latent-dim", type=int, default=128)
+    parser.add_argument("--rope-dim", type=int, default=64,
+                        help="qk_rope_head_dim of the conversion (32 leaves the latent 32 more values at equal bytes)")
     parser.add_argument("--calib-samples", type=int, default=ConvertSettings.calib_samples)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                         help="override one setting of the `default` conversion method (repeatable)")
@@ -97,12 +100,15 @@ def main() -> None:
         splits = domain_splits(out / "data")
         calib = data = ",".join(str(splits[d][0]) for d in DOMAINS if d != left_out)
         heldout = splits[left_out][1]
-    converted = out / f"converted-{args.latent_dim + 64}"
+    budget = args.latent_dim + args.rope_dim  # cached values per token per layer
+    converted = out / f"converted-{budget}"
     record = out / "conversion.json"
     # the resolved method too: `default` changes between releases, and a rerun must not reuse an older default's
     # conversion under the same (empty) overrides
     wanted = {"latent_dim": args.latent_dim, "calib_samples": args.calib_samples, "overrides": args.overrides,
               "method": method.as_dict()}
+    if args.rope_dim != 64:  # recorded only when not the default, so earlier run directories still resume
+        wanted["rope_dim"] = args.rope_dim
     recorded = json.loads(record.read_text()) if record.exists() else None
     if recorded is not None and "method" in recorded:
         recorded["method"] = recorded_method(recorded["method"])
@@ -111,7 +117,7 @@ def main() -> None:
                          "use another --output-dir")
     if not (converted / "config.json").exists():
         convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
-                                rope_dim=64, calib_data=str(calib), calib_samples=args.calib_samples, method=method,
+                                rope_dim=args.rope_dim, calib_data=str(calib), calib_samples=args.calib_samples, method=method,
                                 target="transformers", dtype="float32", device="cpu", overwrite=True))
         record.write_text(json.dumps(wanted) + "\n")
 
@@ -124,7 +130,7 @@ def main() -> None:
         del model
     original = json.loads(reference.read_text())["perplexity"]
 
-    healed = out / f"healed-{args.latent_dim + 64}"
+    healed = out / f"healed-{budget}"
     summary = heal(HealSettings(
         model=str(converted), output=str(healed), data=data, teacher=model_dir, teacher_gguf_file=gguf,
         max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
@@ -138,7 +144,7 @@ def main() -> None:
     if args.cache_type:
         setup += (f", trained through a simulated {args.cache_type} KV cache (the perplexities below read it too; "
                   "the original's is exact)")
-    write_report(out, rows, original, summary, setup)
+    write_report(out, rows, original, summary, setup, f"{args.latent_dim} + {args.rope_dim}")
     if cache_types:
         place_on_frontier(out, model_dir, gguf, {"converted": converted, f"healed {summary['tokens']} tokens": healed},
                           heldout, cache_types, args.frontier_chunks)
@@ -168,13 +174,14 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
     print("\n".join(lines))
 
 
-def write_report(out: Path, rows: list[dict], original: float, summary: dict, setup: str) -> None:
+def write_report(out: Path, rows: list[dict], original: float, summary: dict, setup: str, size: str) -> None:
     evals = [(r["tokens"], r["eval_perplexity"]) for r in rows if "eval_perplexity" in r]
     # steady-state speed over the run (optimizer steps after each process's first); None when no step was timed
     speed = (f"{summary['tokens_per_s']:.0f} tokens/s steady state" if summary.get("tokens_per_s")
              else "speed not measured (no timed step: each process's first step is not timed)")
     lines = [
-        f"# Healing SmolLM2-135M at 192/384 cache values (original held-out perplexity {original:.3f})",
+        f"# Healing SmolLM2-135M converted at {size} of 384 cache values (original held-out perplexity "
+        f"{original:.3f})",
         "",
         (f"Training text {setup}; {summary['tokens']} training tokens, {speed} "
          f"({summary['processes']} process(es), mixed precision {summary['mixed_precision']})."),

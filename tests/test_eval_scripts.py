@@ -139,6 +139,8 @@ def test_heal_benchmark_refuses_a_directory_converted_with_other_settings(tmp_pa
     (out / "conversion.json").write_text(json.dumps({"latent_dim": 128, "calib_samples": 128, "overrides": []}))
     run = _heal_script("--output-dir", str(out), "--data", "mix-code")
     assert run.returncode != 0 and "use another --output-dir" in run.stderr
+    run = _heal_script("--output-dir", str(out), "--data", "mix-code", "--rope-dim", "32")  # another rotary key size
+    assert run.returncode != 0 and '"rope_dim": 32' in run.stderr
 
 
 @pytest.mark.parametrize(("last", "sentence"), [(10.4, "within 5% of the original: 20 tokens."),
@@ -147,8 +149,9 @@ def test_heal_report_says_when_the_original_was_reached(tmp_path, last, sentence
     rows = [{"tokens": 0, "eval_perplexity": 12.0}, {"tokens": 10, "eval_perplexity": 11.0, "tokens_per_s": 80.0},
             {"tokens": 20, "eval_perplexity": last, "tokens_per_s": 90.0}]
     summary = {"tokens": 20, "tokens_per_s": 85.0, "processes": 1, "mixed_precision": "no"}
-    _eval_module("heal").write_report(tmp_path, rows, 10.0, summary, "news")
+    _eval_module("heal").write_report(tmp_path, rows, 10.0, summary, "news", "160 + 32")
     report = (tmp_path / "heal.md").read_text()
+    assert report.startswith("# Healing SmolLM2-135M converted at 160 + 32 of 384 cache values")
     assert sentence in report
     assert "| 20 | %.3f | %.3f |" % (last, last / 10.0) in report
     assert "20 training tokens, 85 tokens/s steady state (1 process(es)" in report
@@ -157,7 +160,7 @@ def test_heal_report_says_when_the_original_was_reached(tmp_path, last, sentence
 def test_heal_report_of_a_run_with_no_timed_step_says_so(tmp_path):
     rows = [{"tokens": 0, "eval_perplexity": 12.0}, {"tokens": 10, "eval_perplexity": 11.0, "tokens_per_s": None}]
     summary = {"tokens": 10, "tokens_per_s": None, "processes": 1, "mixed_precision": "no"}
-    _eval_module("heal").write_report(tmp_path, rows, 10.0, summary, "news")
+    _eval_module("heal").write_report(tmp_path, rows, 10.0, summary, "news", "128 + 64")
     assert "speed not measured (no timed step" in (tmp_path / "heal.md").read_text()
 
 
