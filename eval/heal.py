@@ -117,8 +117,8 @@ def main() -> None:
                          "use another --output-dir")
     if not (converted / "config.json").exists():
         convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
-                                rope_dim=args.rope_dim, calib_data=str(calib), calib_samples=args.calib_samples, method=method,
-                                target="transformers", dtype="float32", device="cpu", overwrite=True))
+                                rope_dim=args.rope_dim, calib_data=str(calib), calib_samples=args.calib_samples,
+                                method=method, target="transformers", dtype="float32", device="cpu", overwrite=True))
         record.write_text(json.dumps(wanted) + "\n")
 
     reference = out / "original.json"

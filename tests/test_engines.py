@@ -511,7 +511,8 @@ def test_sweep_in_llamacpp_recommends_from_measured_points(tmp_path):
     sizes = {key: {t: round(m["bytes"]) for t, m in types.items()} for key, types in result["cache_types"].items()}
     assert sizes == {"original": {"f16": 768, "q8_0": 408, "q4_0": 216},
                      "64+64": {"f16": 256, "q8_0": 136, "q4_0": 72}, "128+64": {"f16": 384, "q8_0": 204, "q4_0": 108},
-                     "64+32": {"f16": 192, "q8_0": 102, "q4_0": 54}, "128+32": {"f16": 320, "q8_0": 170, "q4_0": 90}}, sizes
+                     "64+32": {"f16": 192, "q8_0": 102, "q4_0": 54},
+                     "128+32": {"f16": 320, "q8_0": 170, "q4_0": 90}}, sizes
     reference = result["cache_types"]["original"]["f16"]["perplexity"]
     fits = [(m["perplexity"] / reference, key, t) for key, types in result["cache_types"].items()
             for t, m in types.items() if m["bytes"] <= 230]

@@ -129,20 +129,23 @@ def convert(settings: ConvertSettings, on_layer=None) -> dict:
     return convert_many(settings, {settings.latent_dim: settings.output}, on_layer=on_layer)[settings.latent_dim]
 
 
-def check_outputs(settings: ConvertSettings, latent_dims) -> None:
-    """What convert_many refuses before any work, checked without converting: for a caller that converts
-    several times (sweep at several rope dims) and must not fail on a later one after finishing the first."""
+def check_outputs(settings: ConvertSettings, latent_dims, rope_dims) -> None:
+    """What convert_many refuses before any work, checked without converting, for every latent dim at every rope
+    dim (one source open): for a caller that converts several times (sweep at several rope dims) and must not fail
+    on a later one after finishing the first."""
     settings.method.validate()
-    _open_checked(settings, latent_dims, Stages())
+    _open_checked(settings, latent_dims, Stages(), rope_dims)
 
 
-def _open_checked(settings: ConvertSettings, latent_dims, stage: Stages):
-    """The source and its attention geometry, every output's settings validated against it."""
+def _open_checked(settings: ConvertSettings, latent_dims, stage: Stages, rope_dims=None):
+    """The source and its attention geometry, every output's settings (at each of `rope_dims`, default the
+    settings' own) validated against it."""
     with stage("open source"):
         source = open_source(settings.model, settings.gguf_file, settings.revision)
     geometry = check_supported(source.config, ignore_sliding_window=settings.ignore_sliding_window)
-    for latent_dim in latent_dims:
-        validate(replace(settings, latent_dim=latent_dim), geometry)
+    for rope_dim in rope_dims or [settings.rope_dim]:
+        for latent_dim in latent_dims:
+            validate(replace(settings, latent_dim=latent_dim, rope_dim=rope_dim), geometry)
     return source, geometry
 
 

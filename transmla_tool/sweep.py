@@ -21,8 +21,8 @@ from .devices import resolve_device, resolve_eval_dtype
 from .engines import VLLM, sglang_size_ok
 from .errors import UserError
 from .evaluate.cache import cache_tensors_bytes, cached_values_per_token_per_layer, prefill
-from .evaluate.frontier import (DEFAULT_ORIGINAL_TYPES, markdown_table, parse_cache_types, points_from_sweep,
-                                recommend, reference_cache)
+from .evaluate.frontier import (DEFAULT_ORIGINAL_TYPES, markdown_table, parse_cache_types, point_key,
+                                points_from_sweep, recommend, reference_cache)
 from .evaluate.frontier import plot as plot_frontier
 from .evaluate.models import check_scoring, context_ids, load_model, load_tokenizer
 from .evaluate.perplexity import perplexity
@@ -85,10 +85,10 @@ def run_sweep(settings: SweepSettings) -> dict:
     check_scoring(settings.eval_batch_size, settings.seq_len, settings.max_tokens)
     types = check_engine(settings)
     out = check_target(settings.output_dir, settings.overwrite)
-    ropes = sorted(settings.rope_dims, reverse=True)
+    ropes, latents = sorted(settings.rope_dims, reverse=True), sorted(settings.latent_dims)
     convert_settings = ConvertSettings(
         model=settings.model, gguf_file=settings.gguf_file, revision=settings.revision, output="",
-        latent_dim=max(settings.latent_dims), rope_dim=ropes[0], calib_data=settings.calib_data or settings.data,
+        latent_dim=latents[-1], rope_dim=ropes[0], calib_data=settings.calib_data or settings.data,
         calib_samples=settings.calib_samples, calib_seq_len=settings.calib_seq_len,
         text_field=settings.text_field, dtype=settings.dtype, device=settings.device, seed=settings.seed,
         overwrite=True, method=resolve_method(settings.method, list(settings.overrides)),
@@ -96,19 +96,18 @@ def run_sweep(settings: SweepSettings) -> dict:
         batch_size=settings.batch_size, progress=settings.progress, target=settings.target, biases=settings.biases,
         refuse_unservable=False,
     )
-    for rope in ropes[1:]:  # every further rope dim checked before the first one converts (the first: by convert_many)
-        check_outputs(replace(convert_settings, rope_dim=rope), settings.latent_dims)
+    if len(ropes) > 1:  # every further rope dim checked before the first one converts (the first: by convert_many)
+        check_outputs(convert_settings, latents, ropes[1:])
     parents = make_parents(out)
     created = not out.exists()
     out.mkdir(exist_ok=True)
     checkpoints = out / "checkpoints"
-    named = (lambda r, p: f"latent{r}") if len(ropes) == 1 else (lambda r, p: f"latent{r}-rope{p}")
-    outputs = {(r, p): str(checkpoints / named(r, p)) for p in ropes for r in sorted(settings.latent_dims)}
+    suffix = (lambda p: "") if len(ropes) == 1 else (lambda p: f"-rope{p}")
+    outputs = {(r, p): str(checkpoints / f"latent{r}{suffix(p)}") for p in ropes for r in latents}
     try:
         summaries = {}
         for rope in ropes:
-            done = convert_many(replace(convert_settings, rope_dim=rope),
-                                {r: outputs[(r, rope)] for r in sorted(settings.latent_dims)})
+            done = convert_many(replace(convert_settings, rope_dim=rope), {r: outputs[(r, rope)] for r in latents})
             summaries.update({(r, rope): summary for r, summary in done.items()})
         result = _evaluate(settings, outputs, summaries, start, types)
     except BaseException:
@@ -192,11 +191,6 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
         result["recommendation"] = {"max_cache_bytes": settings.max_cache_bytes, "advice": advice,
                                     "point": best.as_dict() if best else None}
     return result
-
-
-def point_key(latent: int, rope: int) -> str:
-    """How a converted point is named in sweep.json's cache_types: "LATENT+ROPE"."""
-    return f"{latent}+{rope}"
 
 
 def _score(path, gguf_file, windows, dtype, device, settings, name, cache_types=None) -> dict:

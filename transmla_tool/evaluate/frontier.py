@@ -166,6 +166,12 @@ def plot(points: list[Point], reference_bytes: float, path, title: str) -> None:
     plt.close(fig)
 
 
+def point_key(latent: int, rope: int) -> str:
+    """How `sweep` names a converted point in sweep.json's cache_types ("LATENT+ROPE"); read back by
+    points_from_sweep."""
+    return f"{latent}+{rope}"
+
+
 def points_from_sweep(result: dict) -> list[Point]:
     """Frontier points of a `sweep` result: its cache-type measurements (llama.cpp's, or transformers' caches), or
     (transformers without cache types) each model at a 16-bit cache, bytes = cached values x 2."""
@@ -174,7 +180,7 @@ def points_from_sweep(result: dict) -> list[Point]:
         reference = originals[reference_cache(originals)]["perplexity"]
         points = []
         for key, types in result["cache_types"].items():
-            latent, rope = (None, None) if key == "original" else map(int, key.split("+"))  # sweep.point_key
+            latent, rope = (None, None) if key == "original" else map(int, key.split("+"))  # point_key's form
             label = "original" if latent is None else f"latent {latent} + {rope}"
             for entry, m in types.items():
                 points.append(Point(label=label, kind="original" if latent is None else "converted", cache=entry,
