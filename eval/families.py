@@ -8,6 +8,7 @@ and scored on the held-out halves of forum, code and docs (text the calibration 
 labelled in-domain). The q/k-norm cost is Qwen3's ratio divided by the Llama control's ratio.
 
     python eval/families.py --output-dir runs/families              # ~20 min on 2 CPU cores
+    python eval/families.py --output-dir runs/families --methods default+query_norm=fold   # the query norm folded too
     python eval/families.py --output-dir runs/families --table-only
 
 Models and the tokenizer are cached under <output-dir>; rows are appended to <output-dir>/families.jsonl
@@ -32,7 +33,7 @@ from transmla_tool.assets import DOMAINS, domain_splits  # noqa: E402
 from transmla_tool.convert import ConvertSettings, convert  # noqa: E402
 from transmla_tool.data import token_windows  # noqa: E402
 from transmla_tool.evaluate.perplexity import perplexity  # noqa: E402
-from transmla_tool.methods import PRESETS  # noqa: E402
+from transmla_tool.methods import resolve_method  # noqa: E402
 
 FAMILIES = ("llama", "qwen3")
 SCORED = ("forum", "code", "docs")  # never in the calibration text
@@ -50,13 +51,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600,
                         help="training steps per model (batch 16 x 128: ~3 passes over the text; more overfits)")
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--methods", default="default,closed-form")
+    parser.add_argument("--methods", default="default,closed-form",
+                        help="comma-separated methods, each a preset with optional settings after '+', e.g. "
+                             "default+query_norm=fold (rows are keyed by this spelling)")
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--eval-windows", type=int, default=48, help="held-out windows of 256 tokens per domain")
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument("--probe-query-norm", action="store_true",
                         help="print, per layer of the trained Qwen3, the query fold error with per-head scales alone "
-                             "and after one RMSNorm over the whole query (what a q_lora path's q_a_layernorm could do)")
+                             "and after one RMSNorm over the whole query (what the q_lora path of query_norm=keep does)")
     args = parser.parse_args()
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,6 +174,12 @@ def _scores(model_dir, tokenizer, splits, windows: int) -> dict[str, float]:
             for d in DOMAINS}
 
 
+def _method(spec: str):
+    """A method spelled PRESET[+NAME=VALUE...] (the --set overrides of `transmla-tool convert`)."""
+    name, *overrides = spec.split("+")
+    return resolve_method(name, overrides)
+
+
 def _measure(results, out, family, model_dir, tokenizer, splits, method, cache, latent, rope, args) -> None:
     done = {(r["family"], r["cache"], r["method"], r["domain"]) for r in _read(results)}
     if all((family, cache, method, d) in done for d in DOMAINS):
@@ -181,7 +190,8 @@ def _measure(results, out, family, model_dir, tokenizer, splits, method, cache, 
     summary = convert(ConvertSettings(
         model=str(model_dir), output=str(target), latent_dim=latent, rope_dim=rope,
         calib_data=str(splits["news"][0]), calib_samples=args.calib_samples, calib_seq_len=256, dtype="float32",
-        device="cpu", method=PRESETS[method], method_name=method, overwrite=True, progress=False, target="transformers"))
+        device="cpu", method=_method(method), method_name=method.split("+")[0], overwrite=True, progress=False,
+        target="transformers"))
     seconds = time.time() - start
     converted = _scores(target, tokenizer, splits, args.eval_windows)
     folds = [layer["qk_norm_fold"]["fold_error"] for layer in summary["layers"] if "qk_norm_fold" in layer]

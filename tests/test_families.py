@@ -54,27 +54,59 @@ def test_linear_families_full_rank_exact(make_model, convert_tiny, tmp_path, fam
     assert config["hidden_act"] == ("gelu_pytorch_tanh" if family == "gemma" else "silu")
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])  # GQA (Qwen3) and MQA
-def test_qwen3_q_k_norms_approximated_and_stated(make_model, convert_tiny, kv_heads):
-    """Qwen3's per-head q/k RMSNorms have no stock form: the conversion folds them with calibrated per-head
-    scales, says so in conversion.json and the model card, and reports the fold's error per layer. The
-    refinement then fits the true Qwen3 attention: never worse than the closed form on held-out windows (refine falls back to it),
-    better on some layer."""
+@pytest.mark.parametrize("kwargs", [
+    dict(kv_heads=2), dict(kv_heads=1), dict(kv_heads=1, attention_bias=True),
+    dict(kv_heads=2, head_dim=32),  # a query wider than the hidden size (Qwen3-0.6B, -4B, -32B): q_a_proj compacted
+])
+def test_qwen3_q_k_norms_approximated_and_stated(make_model, convert_tiny, kwargs):
+    """Qwen3's per-head q/k RMSNorms have no stock form: the key's is folded with calibrated per-head scales,
+    the query keeps one genuine RMSNorm over all heads (q_lora path: q_a_proj = Qwen3's q_proj, q_a_layernorm
+    weight 1, not linearized), and conversion.json and the model card say so, with each fold's error per
+    layer. The refinement then fits the true Qwen3 attention: never worse than the closed form on held-out
+    windows (refine falls back to it), better on some layer."""
+    from safetensors.torch import load_file
+
     from transmla_tool.methods import PRESETS
 
-    src = make_model("qwen3", kv_heads=kv_heads)
-    out, summary, _ = convert_tiny(src, latent_dim=40 if kv_heads == 2 else 16, rope_dim=16)
+    src = make_model("qwen3", **kwargs)
+    source_config = AutoConfig.from_pretrained(src)
+    latent = 40 if kwargs["kv_heads"] == 2 else 16
+    out, summary, natural = convert_tiny(src, latent_dim=latent, rope_dim=16)
     assert summary["family"] == "qwen3" and summary["exact_at_full_rank"] is False
     assert "per-head" in summary["approximation"] and "Approximation" in (out / "README.md").read_text()
+    assert "keeps one RMSNorm over all its heads" in summary["approximation"]
+    width = source_config.num_attention_heads * source_config.head_dim
+    if not kwargs.get("attention_bias"):
+        width = min(width, source_config.hidden_size)
+    config = json.loads((out / "config.json").read_text())
+    assert config["q_lora_rank"] == width
+    tensors = load_file(out / "model.safetensors")
+    prefix = "model.layers.0.self_attn."
+    assert torch.equal(tensors[prefix + "q_a_layernorm.weight"], torch.ones(width))  # a genuine norm
+    assert (prefix + "q_a_proj.bias" in tensors) == kwargs.get("attention_bias", False)
     for layer in summary["layers"]:
         fold = layer["qk_norm_fold"]
         assert 0 < fold["fold_error"] < 1 and 0 < fold["k_fold_error"] < 1 and fold["scale_min"] > 0
+        assert 0 < fold["query_norm_error"] < 1
         assert layer["refine_loss_after"] <= layer["refine_loss_before"]  # refine never hands back worse
         assert layer["stock_vs_reference"] < 1e-5
+    assert all(w.q_b is not None for w in natural.values())
     assert any(layer["refine_loss_after"] < layer["refine_loss_before"] for layer in summary["layers"])
-    closed, closed_summary, _ = convert_tiny(src, latent_dim=40 if kv_heads == 2 else 16, rope_dim=16,
-                                             method=PRESETS["closed-form"])
+    closed, closed_summary, _ = convert_tiny(src, latent_dim=latent, rope_dim=16, method=PRESETS["closed-form"])
     assert closed_summary["layers"][0]["qk_norm_fold"] == summary["layers"][0]["qk_norm_fold"]
+    assert closed_summary["layers"][0]["stock_vs_reference"] < 1e-5
+    source = load_file(src / "model.safetensors")[prefix + "q_proj.weight"]
+    if source.shape[0] == width:  # the closed form reads Qwen3's own q_proj through the norm
+        assert torch.equal(load_file(closed / "model.safetensors")[prefix + "q_a_proj.weight"], source)
+
+    # query_norm=fold: a plain q_proj with the query norm folded like the key's
+    folded, folded_summary, folded_natural = convert_tiny(
+        src, latent_dim=latent, rope_dim=16, method=PRESETS["closed-form"].with_overrides(["query_norm=fold"]))
+    bias_path = source_config.hidden_size + 1 if kwargs.get("attention_bias") else None  # a query bias's q_lora
+    assert json.loads((folded / "config.json").read_text())["q_lora_rank"] == bias_path
+    assert "folded the same way" in folded_summary["approximation"]
+    assert "query_norm_error" not in folded_summary["layers"][0]["qk_norm_fold"]
+    assert all(w.q_b is None for w in folded_natural.values())
 
 
 def test_qwen3_fold_is_exact_when_the_rms_is_constant():
@@ -93,6 +125,42 @@ def test_qwen3_fold_is_exact_when_the_rms_is_constant():
     assert normalized_error(weight, None, norm_weight, 0.0, x, heads, folded, None) < 1e-6
     # tokens of different norms: the fold is only a fit
     assert normalized_error(weight, None, norm_weight, 0.0, x * torch.rand(50, 1) * 3, heads, folded, None) > 0.05
+
+
+def test_query_norm_is_exact_when_the_heads_share_the_rms():
+    """One RMSNorm over the whole query reproduces per-head norms exactly when every head of a token has the
+    same rms (then the whole query's rms is that rms), whatever the token's norm; the per-head fold cannot."""
+    from transmla_tool.ops.qk_norm import fold_head_norm, fold_query_norm, normalized_error
+
+    torch.manual_seed(0)
+    heads, dim, hidden = 3, 8, 8
+    # each head's projection is a signed permutation of x: every head has the rms of x
+    weight = torch.cat([torch.eye(hidden)[torch.randperm(hidden)] * torch.sign(torch.randn(hidden, 1))
+                        for _ in range(heads)])
+    x = torch.randn(50, hidden) * torch.rand(50, 1) * 3  # tokens of different norms
+    norm_weight = torch.rand(dim) + 0.5
+    rows, scales, error = fold_query_norm(weight, None, norm_weight, 1e-9, x, heads, 1e-9)
+    assert error < 1e-6 and torch.allclose(scales, torch.ones(heads), rtol=1e-5)
+    assert torch.allclose(rows, (scales[:, None] * norm_weight).reshape(-1))
+    folded, folded_bias, _ = fold_head_norm(weight, None, norm_weight, 1e-9, x, heads)
+    assert normalized_error(weight, None, norm_weight, 1e-9, x, heads, folded, folded_bias) > 0.05
+
+
+def test_compact_query_keeps_the_whole_query_norm():
+    """A query wider than the hidden size read through d values: RMSNorm(W x) = out RMSNorm(q_a x) for any x."""
+    from transmla_tool.ops.qk_norm import compact_query
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(48, 16, dtype=torch.float64), torch.randn(20, 16, dtype=torch.float64) * 5
+
+    def rms_norm(y):
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True))
+
+    q_a, out = compact_query(weight, None)
+    assert q_a.shape == (16, 16) and out.shape == (48, 16)
+    assert torch.allclose(rms_norm(x @ weight.T), rms_norm(x @ q_a.T) @ out.T, atol=1e-10)
+    same, eye = compact_query(weight[:12], None)  # no wider than d: kept as it is
+    assert torch.equal(same, weight[:12]) and torch.equal(eye, torch.eye(12, dtype=torch.float64))
 
 
 def _router_inputs(experts=8, hidden=16, tokens=32, seed=0):

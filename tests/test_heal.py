@@ -279,3 +279,32 @@ def test_heal_cache_type_is_checked(request, text_file, tmp_path, capsys, cache,
                  str(text_file), "--max-steps", "2", "--cache-type", cache])
     assert code == 2 and needle in capsys.readouterr().err
     assert not out.exists() and not Path(f"{out}.ckpt").exists()
+
+
+def test_healing_a_kept_query_norm(make_model, text_file, tmp_path):
+    """A Qwen3 conversion keeps one RMSNorm over its query (q_lora path): healing trains q_proj and q_b_proj
+    through that norm in natural form and exports a stock checkpoint equal to what it trained, its
+    q_a_layernorm still genuine (weight 1, not linearized)."""
+    from transmla_tool.convert import ConvertSettings, convert
+
+    teacher = make_model("qwen3", kv_heads=2)
+    student = tmp_path / "student"
+    convert(ConvertSettings(model=str(teacher), output=str(student), latent_dim=24, rope_dim=8,
+                            calib_data=str(text_file), calib_samples=8, calib_seq_len=64, dtype="float32",
+                            device="cpu", progress=False, method=PRESETS["closed-form"]))
+    out = tmp_path / "healed"
+    heal(_settings(teacher, student, text_file, out, max_steps=3, eval_every=3))
+    trained = load_file(Path(f"{out}.ckpt") / "step-3" / "trainable.safetensors")
+    start = load_file(student / "model.safetensors")
+    name = "model.layers.0.self_attn.q_b_proj.weight"
+    assert name in trained and not torch.equal(trained[name], start[name])  # trained through the norm
+    healed = load_file(out / "model.safetensors")
+    assert torch.equal(healed["model.layers.0.self_attn.q_a_layernorm.weight"], torch.ones(start[name].shape[1]))
+    stock = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    natural = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).eval()
+    to_natural(natural)
+    missing, unexpected = natural.load_state_dict(trained, strict=False)
+    assert not unexpected and all(".self_attn." not in n for n in missing)
+    ids = sample_ids(stock.config.vocab_size)
+    with torch.no_grad():
+        assert rel_err(stock(ids).logits, natural(ids, use_cache=False).logits) < 1e-5

@@ -135,6 +135,20 @@ def test_changes_of_basis_are_exact(bias):
     assert torch.allclose(energy, energy.mean().expand_as(energy), rtol=1e-9)
 
 
+def test_rope_balance_with_a_kept_query_norm():
+    """With a kept query norm (q_b, ops/qk_norm.py) the query leaves through q_b: the rotary-key balance scales
+    q_b's rows, not the projection read through the norm, and the layer computes the same attention."""
+    from dataclasses import replace
+
+    mla, x, cos, sin = _converted(False)
+    gen = torch.Generator().manual_seed(3)
+    kept = replace(mla, q=torch.randn(24, mla.q.shape[1], generator=gen, dtype=torch.float64),
+                   q_b=torch.randn(mla.q.shape[0], 24, generator=gen, dtype=torch.float64) * 0.3)
+    balanced = balance_rope_key(kept, _moment(x))
+    assert torch.allclose(mla_attention(x, balanced, cos, sin), mla_attention(x, kept, cos, sin), atol=1e-10)
+    assert torch.equal(balanced.q, kept.q) and not torch.allclose(balanced.q_b, kept.q_b)
+
+
 def test_hadamard_latent_quantizes_better_than_pca_order():
     """The reason for the rotation: on a q4_0 cache, the PCA-ordered latent loses more of the layer's output
     than the same layer in a Hadamard basis."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from transmla_tool.export import natural_attention, stock_attention
 from transmla_tool.ops.decouple import fold_pools, plan_rope
-from transmla_tool.ops.factorize import factorize
+from transmla_tool.ops.factorize import factorize, query_transform
 from transmla_tool.ops.linalg import affine_moment
 from transmla_tool.ops.linear_norm import (
     input_norm_bound,
@@ -17,7 +18,7 @@ from transmla_tool.ops.linear_norm import (
     linearizing_scale,
     mean_square_bound,
 )
-from transmla_tool.ops.mla import GQAWeights, gqa_attention, mla_attention
+from transmla_tool.ops.mla import STOCK_NORM_EPS, GQAWeights, gqa_attention, mla_attention, mla_query
 from transmla_tool.ops.rope import apply_interleaved, apply_rotate_half, expected_rotation, rotation_cos_sin
 
 
@@ -122,6 +123,32 @@ def test_stock_round_trip_with_biases():
     back = natural_attention(tensors, config)
     for name in ("q", "q_bias", "kv_a", "kv_a_bias", "kv_b", "o", "o_bias"):
         assert torch.allclose(getattr(back, name), getattr(mla, name), rtol=1e-9, atol=1e-12), name
+
+
+def test_stock_round_trip_with_a_kept_query_norm():
+    """A layer whose query keeps one RMSNorm (q_b): natural -> stock (q_lora path, q_a_layernorm weight 1) ->
+    natural is the identity, the width of the q_lora path telling it from a query bias's (hidden + 1)."""
+    from transformers import DeepseekV3Config
+
+    layer = _random_layer(bias=True)
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    plan = plan_rope(affine_moment(layer.k, layer.k_bias, _moment(x)), fold_pools(8, 4), 2, 8)
+    scale = torch.rand(layer.q.shape[0], dtype=torch.float64) + 0.5
+    kept = replace(layer, q_a=layer.q, q_a_bias=layer.q_bias, q_a_out=torch.diag(scale))
+    mla, _ = factorize(kept, _moment(x), plan, rope_dim=4, latent_dim=10)
+    assert mla.q_b is not None and torch.equal(mla.q, layer.q)
+    config = DeepseekV3Config(kv_lora_rank=10, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                              num_attention_heads=4, q_lora_rank=layer.q.shape[0], hidden_size=32)
+    tensors = stock_attention(mla, torch.ones(32), q_lora=True, attention_bias=True)
+    assert torch.equal(tensors["q_a_layernorm.weight"], torch.ones(layer.q.shape[0], dtype=torch.float64))
+    back = natural_attention(tensors, config)
+    for name in ("q", "q_bias", "q_b", "kv_a", "kv_a_bias", "kv_b", "o", "o_bias"):
+        assert torch.allclose(getattr(back, name), getattr(mla, name), rtol=1e-9, atol=1e-12), name
+    # the query it computes: the whole query's RMSNorm, per-row scales, then each head's [nope | rope] map
+    raw = x @ layer.q.T + layer.q_bias
+    normed = (raw * torch.rsqrt(raw.pow(2).mean(-1, keepdim=True) + STOCK_NORM_EPS) * scale).view(2, 12, 4, 8)
+    expected = torch.einsum("hnd,blhd->blhn", query_transform(plan, 4, 8, 4), normed).reshape(2, 12, -1)
+    assert torch.allclose(mla_query(x, mla), expected, atol=1e-10)
 
 
 def test_weighted_plan_prefers_queried_heads():

@@ -15,7 +15,8 @@ import torch
 from .arch import AttentionGeometry, decoder_classes
 from .arch.families import ATTN, LAYER_PREFIX
 from .io.source import CheckpointSource
-from .ops.mla import GQAWeights
+from .ops.mla import STOCK_NORM_EPS, GQAWeights
+from .ops.qk_norm import compact_query, fold_head_norm, fold_query_norm, normalized_error
 
 
 QK_NORM_WINDOWS = 16  # calibration windows the per-head q/k norm scales are fitted on
@@ -51,10 +52,12 @@ class SourceLayers:
         module.load_state_dict(state, assign=True)
         return module.eval().requires_grad_(False)
 
-    def attention_weights(self, layer: torch.nn.Module, inputs: torch.Tensor | None = None) -> GQAWeights:
+    def attention_weights(self, layer: torch.nn.Module, inputs: torch.Tensor | None = None,
+                          query_norm: str = "fold") -> GQAWeights:
         """The layer's attention as linear q/k/v/o projections. A family with per-head q/k norms (Qwen3) has
         them folded in with scales fitted on `inputs` (N, L, d), the layer's residual-stream inputs
-        (ops/qk_norm.py); `self.qk_norm_errors` then holds how far the fold is from the true norms there."""
+        (ops/qk_norm.py); `self.qk_norm_errors` then holds how far the fold is from the true norms there.
+        query_norm="keep" (the method setting) also gives the query as one RMSNorm over all heads (q_a...)."""
         attn = layer.self_attn
         g = self.geometry
 
@@ -64,6 +67,7 @@ class SourceLayers:
 
         q, k = attn.q_proj.weight.detach(), attn.k_proj.weight.detach()
         q_bias, k_bias = bias("q"), bias("k")
+        kept = {}
         if g.family.qk_norm:
             if inputs is None:
                 raise ValueError(f"{g.family.name} has q/k norms: attention_weights needs the layer's inputs")
@@ -72,6 +76,13 @@ class SourceLayers:
             q, q_bias, self.qk_norm_errors = self._fold(attn.q_proj, attn.q_norm, x, g.num_heads)
             k, k_bias, k_errors = self._fold(attn.k_proj, attn.k_norm, x, g.num_kv_heads)
             self.qk_norm_errors.update({"k_" + key: value for key, value in k_errors.items()})
+            if query_norm == "keep":
+                rows, scales, error = fold_query_norm(attn.q_proj.weight.detach(), bias("q"),
+                                                      attn.q_norm.weight.detach(), attn.q_norm.variance_epsilon,
+                                                      x, g.num_heads, STOCK_NORM_EPS)
+                q_a, out = compact_query(attn.q_proj.weight.detach(), bias("q"))
+                kept = dict(q_a=q_a, q_a_bias=bias("q"), q_a_out=rows[:, None] * out)
+                self.qk_norm_errors.update(query_norm_error=round(error, 6))
         return GQAWeights(
             q=q,
             k=k,
@@ -84,13 +95,12 @@ class SourceLayers:
             k_bias=k_bias,
             v_bias=bias("v"),
             o_bias=bias("o"),
+            **kept,
         )
 
 
     @staticmethod
     def _fold(proj, norm, x, heads):
-        from .ops.qk_norm import fold_head_norm, normalized_error
-
         weight, bias = proj.weight.detach(), None if proj.bias is None else proj.bias.detach()
         eps = norm.variance_epsilon
         folded, folded_bias, scales = fold_head_norm(weight, bias, norm.weight.detach(), eps, x, heads)

@@ -182,7 +182,8 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
         _Target(latent_dim=r, output=out, config=deepseek_config(
             source.config, geometry, latent_dim=max(r, settings.pad_latent_to), rope_dim=settings.rope_dim,
             q_bias=geometry.q_bias and not drop_biases,
-            attention_bias=attention_bias, dtype=out_dtype, yarn_for_scaled_rope=settings.target in ENGINE_TARGETS))
+            attention_bias=attention_bias, dtype=out_dtype, yarn_for_scaled_rope=settings.target in ENGINE_TARGETS,
+            query_norm=geometry.family.qk_norm and settings.method.query_norm == "keep"))
         for r, out in outputs.items()
     ]
     check_engines({t.latent_dim: t.config for t in targets}, settings.target, settings.rope_dim,
@@ -244,7 +245,7 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
     for i in bar:
         with stage("read layer"):
             layer = layers.layer(i)
-            attn = layers.attention_weights(layer, hidden)
+            attn = layers.attention_weights(layer, hidden, method.query_norm)
         shared = None  # the calibration of the source's own stream, shared by every target that reads it
         for t in targets:
             inputs = t.stream if t.stream is not None else hidden

@@ -21,9 +21,7 @@ import torch
 
 from .arch import AttentionGeometry
 from .ops.linear_norm import input_norm_bound, linearizing_scale, mean_square_bound
-from .ops.mla import MLAWeights
-
-STOCK_NORM_EPS = 1e-6  # what transformers' DeepseekV3RMSNorm uses for the latent norms
+from .ops.mla import STOCK_NORM_EPS, MLAWeights
 
 # Tensors that write into the residual stream (names relative to a layer), scaled by residual_scale()
 RESIDUAL_WRITERS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight")
@@ -48,7 +46,9 @@ def scale_residual_writers(group: dict[str, torch.Tensor], scale: float) -> dict
 
 
 def deepseek_config(src_config, geometry: AttentionGeometry, *, latent_dim: int, rope_dim: int,
-                    q_bias: bool, attention_bias: bool, dtype: torch.dtype, yarn_for_scaled_rope: bool = False):
+                    q_bias: bool, attention_bias: bool, dtype: torch.dtype, yarn_for_scaled_rope: bool = False,
+                    query_norm: bool = False):
+    """query_norm: the query keeps one RMSNorm over all heads (a q_lora path as wide as the source's query)."""
     from transformers import DeepseekV3Config
 
     rope = engine_rope_parameters(src_config, rope_dim, geometry.head_dim, yarn_for_scaled_rope)
@@ -70,8 +70,7 @@ def deepseek_config(src_config, geometry: AttentionGeometry, *, latent_dim: int,
         topk_group=None,
         first_k_dense_replace=layers,
         kv_lora_rank=latent_dim,
-        # A query bias needs the q_lora path: q_a_proj is the only query projection with a bias.
-        q_lora_rank=geometry.hidden_size + 1 if q_bias else None,
+        q_lora_rank=q_lora_rank(geometry, q_bias, query_norm),
         qk_rope_head_dim=rope_dim,
         qk_nope_head_dim=geometry.head_dim,
         v_head_dim=geometry.head_dim,
@@ -92,6 +91,20 @@ def deepseek_config(src_config, geometry: AttentionGeometry, *, latent_dim: int,
     config.architectures = ["DeepseekV3ForCausalLM"]
     config.dtype = dtype
     return config
+
+
+def q_lora_rank(geometry: AttentionGeometry, q_bias: bool, query_norm: bool) -> int | None:
+    """The q_lora path's width: the source query's (H*D; at most the hidden size for a source without a query
+    bias: ops/qk_norm.compact_query) when a query RMSNorm is kept; hidden + 1 for a query bias alone (q_a_proj
+    is the only query projection with a bias: it passes [x; 1] through a linearized norm, ops/linear_norm.py);
+    none otherwise. natural_attention tells the two apart by the width."""
+    if query_norm:
+        width = geometry.num_heads * geometry.head_dim
+        width = width if geometry.q_bias else min(width, geometry.hidden_size)
+        if width == geometry.hidden_size + 1:
+            raise ValueError(f"a kept query norm of width {width} would read back as a query bias (hidden + 1)")
+        return width
+    return geometry.hidden_size + 1 if q_bias else None
 
 
 def engine_rope_parameters(src_config, rope_dim: int, head_dim: int, yarn_for_scaled_rope: bool = False) -> dict:
@@ -158,7 +171,19 @@ def stock_attention(mla: MLAWeights, input_norm_weight: torch.Tensor, *, q_lora:
     elif mla.kv_a_bias is not None and mla.kv_a_bias.abs().max() > 0:
         raise ValueError("kv_a bias present but the config has attention_bias=False")
 
-    if q_lora:
+    if mla.q_b is not None:
+        # a genuine RMSNorm over the whole query: q_a = the query projection, the norm's weight 1, q_b per head
+        if not q_lora:
+            raise ValueError("a kept query norm needs the q_lora path")
+        out["q_a_proj.weight"] = mla.q
+        if attention_bias:
+            out["q_a_proj.bias"] = mla.q_bias if mla.q_bias is not None else torch.zeros(mla.q.shape[0],
+                                                                                         dtype=torch.float64)
+        elif mla.q_bias is not None and mla.q_bias.abs().max() > 0:
+            raise ValueError("query bias present but the config has attention_bias=False")
+        out["q_a_layernorm.weight"] = torch.ones(mla.q.shape[0], dtype=torch.float64)
+        out["q_b_proj.weight"] = mla.q_b
+    elif q_lora:
         # q_a outputs alpha * [x; 1]: the norm passes it through, q_b = [W_q | b_q] applies both.
         eye = torch.eye(hidden + 1, hidden, dtype=torch.float64)
         const = torch.zeros(hidden + 1, dtype=torch.float64)
@@ -183,7 +208,8 @@ def stock_attention(mla: MLAWeights, input_norm_weight: torch.Tensor, *, q_lora:
 
 
 def natural_attention(tensors: dict[str, torch.Tensor], config) -> MLAWeights:
-    """Inverse of stock_attention for checkpoints it wrote (their norms are in the linear regime)."""
+    """Inverse of stock_attention for checkpoints it wrote (their latent norm in the linear regime; their query
+    norm too unless it is a kept query norm, read back as q_b)."""
     t = {k: v.to(torch.float64) for k, v in tensors.items()}
     r, dr = config.kv_lora_rank, config.qk_rope_head_dim
     root = math.sqrt(STOCK_NORM_EPS)
@@ -193,8 +219,11 @@ def natural_attention(tensors: dict[str, torch.Tensor], config) -> MLAWeights:
     kv_a_bias = t.get("kv_a_proj_with_mqa.bias")
     if kv_a_bias is not None:
         kv_a_bias = torch.cat([kv_a_bias[:r] * scale, kv_a_bias[r:]])
-    q_bias = None
-    if config.q_lora_rank is not None:
+    q_bias = q_b = None
+    if config.q_lora_rank is not None and config.q_lora_rank != config.hidden_size + 1:  # a kept query norm
+        q, q_bias = t["q_a_proj.weight"], t.get("q_a_proj.bias")
+        q_b = t["q_b_proj.weight"] * t["q_a_layernorm.weight"][None, :]
+    elif config.q_lora_rank is not None:
         q_scale = t["q_a_layernorm.weight"] / root
         q_a = t["q_a_proj.weight"] * q_scale[:, None]
         q_a_bias = t["q_a_proj.bias"] * q_scale
@@ -215,6 +244,7 @@ def natural_attention(tensors: dict[str, torch.Tensor], config) -> MLAWeights:
         q_bias=q_bias,
         kv_a_bias=kv_a_bias,
         o_bias=t.get("o_proj.bias"),
+        q_b=q_b,
     )
 
 

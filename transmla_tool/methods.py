@@ -63,6 +63,12 @@ class Method:
     # Inputs each layer is calibrated on: "source" (source model's hidden states) or "converted"
     # (the converted model's own hidden states, so errors do not accumulate across layers).
     calib_inputs: str = "source"
+    # Sources that normalize each head's query (Qwen3's per-head q RMSNorm, not linear): "keep" writes the
+    # query as DeepSeek's q_lora path with a genuine q_a_layernorm, one RMSNorm over the whole query (q_a_proj
+    # the source's q_proj, q_b_proj its per-head weights; +1x query parameters); "fold" folds the norm into
+    # per-head scales of a plain q_proj. No effect on sources without query norms. On small Qwen3 models trained
+    # here, "keep" halves the query's fold error (docs/families.md).
+    query_norm: str = "keep"
 
     # Shrinkage of the attention-input covariance toward a prior that trusts the calibration text less
     # (0 = none, 1 = the prior alone): "diag" keeps per-channel energy and damps correlations,
@@ -101,6 +107,7 @@ class Method:
             "latent_basis": LATENT_BASES,
             "rope_key_balance": ("none", "energy"),
             "refine_cache": ("none", *SIMULATED_CACHE_TYPES),
+            "query_norm": ("keep", "fold"),
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -132,8 +139,11 @@ class Method:
 
 
 # What a setting added later was before it existed: records (conversion.json, benchmark rows) that predate it were
-# made with this value.
-BEFORE_SETTING = {"latent_basis": "pca", "rope_key_balance": "none", "refine_cache": "none", "refine_value_solve": 0}
+# made with this value. query_norm: the records these are read for (eval/quality.py, eval/heal.py) all convert
+# SmolLM2, a Llama without query norms, where "keep" and "fold" are the same conversion; Qwen3 conversions made
+# before it folded the query norm (eval/families.py labels those rows +query_norm=fold).
+BEFORE_SETTING = {"latent_basis": "pca", "rope_key_balance": "none", "refine_cache": "none", "refine_value_solve": 0,
+                  "query_norm": "keep"}
 
 
 def recorded_method(record: dict) -> dict:

@@ -8,6 +8,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from . import __version__
+from .arch.families import approximation
 from .engines import servability
 from .export import residual_scale
 
@@ -22,7 +23,7 @@ def conversion_summary(settings, geometry, target, ids, out_dtype, warnings: lis
         # how the family maps onto the stock layout: folded exactly (Granite, Phi-3, Gemma), or approximated
         "family_notes": list(geometry.family.notes),
         "exact_at_full_rank": geometry.family.approximation is None,
-        "approximation": geometry.family.approximation,
+        "approximation": approximation(geometry.family, settings.method.query_norm),
         "settings": _settings_dict(replace(settings, latent_dim=target.latent_dim, output=target.output), ids),
         "dtype": str(out_dtype).replace("torch.", ""),
         "cache_values_per_token_per_layer": {

@@ -126,11 +126,27 @@ FAMILIES: tuple[FamilySpec, ...] = (
         qk_norm=True,
         approximation=(
             "Qwen3 normalizes each head's query and key (RMSNorm over head_dim) before RoPE; no stock DeepSeek layer "
-            "has a per-head norm. The norm weights are folded into q_proj/k_proj with one calibrated scale per head "
+            "has a per-head norm. The key norm's weight is folded into k_proj with one calibrated scale per head "
             "(the least-squares fit of 1/rms on the calibration text), and the layer-local refinement fits the rest "
             "against the true Qwen3 attention output. Not exact even at full rank: measure it (eval/families.py)."),
     ),
 )
+
+# How the query's norm was converted (method setting query_norm), appended to a q/k-norm family's approximation.
+QUERY_NORM_NOTES = {
+    "keep": "The query keeps one RMSNorm over all its heads (DeepSeek's q_a_layernorm on a q_lora path as wide as "
+            "the source query; q_b_proj applies each head's norm weight and a calibrated scale): only each head's "
+            "rms relative to the whole query's is approximated.",
+    "fold": "The query norm is folded the same way (method setting query_norm=fold).",
+}
+
+
+def approximation(family: FamilySpec, query_norm: str) -> str | None:
+    """What a conversion of `family` approximates (None: exact at full rank), for conversion.json and the card."""
+    if family.approximation is None or not family.qk_norm:
+        return family.approximation
+    return f"{family.approximation} {QUERY_NORM_NOTES[query_norm]}"
+
 
 # Families we recognise but do not convert yet, with the reason a user sees.
 UNSUPPORTED_REASONS = {

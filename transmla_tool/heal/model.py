@@ -17,7 +17,7 @@ from ..ops.kv_quant import cache_row_store
 from ..ops.mla import MLAWeights, mla_attention
 from ..runtime.cache_args import find_cache
 
-ATTENTION_PARAMS = ("q_proj", "kv_a_proj", "kv_b_proj", "o_proj")
+ATTENTION_PARAMS = ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")
 
 
 class NaturalAttention(nn.Module):
@@ -41,11 +41,14 @@ class NaturalAttention(nn.Module):
         self.kv_a_proj = _linear(weights.kv_a, weights.kv_a_bias)
         self.kv_b_proj = _linear(weights.kv_b, None)
         self.o_proj = _linear(weights.o, weights.o_bias)
+        # a kept query norm (ops/qk_norm.py): q_proj is read through one RMSNorm, then q_b_proj
+        self.q_b_proj = None if weights.q_b is None else _linear(weights.q_b, None)
 
     def weights(self) -> MLAWeights:
         return MLAWeights(q=self.q_proj.weight, kv_a=self.kv_a_proj.weight, kv_b=self.kv_b_proj.weight,
                           o=self.o_proj.weight, q_bias=self.q_proj.bias, kv_a_bias=self.kv_a_proj.bias,
-                          o_bias=self.o_proj.bias, **self.dims)
+                          o_bias=self.o_proj.bias, q_b=None if self.q_b_proj is None else self.q_b_proj.weight,
+                          **self.dims)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, *args, **kwargs):
         if find_cache(args, kwargs) is not None and kwargs.get("use_cache", True):
@@ -88,7 +91,8 @@ def stock_state_dict(natural_state: dict[str, torch.Tensor], config) -> dict[str
         weights = MLAWeights(
             q=get("q_proj.weight"), kv_a=get("kv_a_proj.weight"), kv_b=get("kv_b_proj.weight"),
             o=get("o_proj.weight"), q_bias=get("q_proj.bias"), kv_a_bias=get("kv_a_proj.bias"),
-            o_bias=get("o_proj.bias"), num_heads=config.num_attention_heads, latent_dim=config.kv_lora_rank,
+            o_bias=get("o_proj.bias"), q_b=get("q_b_proj.weight"), num_heads=config.num_attention_heads,
+            latent_dim=config.kv_lora_rank,
             rope_dim=config.qk_rope_head_dim, nope_dim=config.qk_nope_head_dim, v_dim=config.v_head_dim,
         )
         tensors = stock_attention(weights, state[f"model.layers.{i}.input_layernorm.weight"],

@@ -92,5 +92,7 @@ def balance_rope_key(w: MLAWeights, x_moment: torch.Tensor) -> MLAWeights:
         bias = torch.cat([bias[:r], bias[r:] * per_dim])
     q_scale = torch.cat([torch.ones(dn, dtype=per_dim.dtype, device=per_dim.device), 1.0 / per_dim])
     q_scale = q_scale.repeat(w.num_heads)  # (H*(dn+dr),)
+    if w.q_b is not None:  # the query leaves through q_b: scale its rows
+        return replace(w, kv_a=kv_a, kv_a_bias=bias, q_b=w.q_b * q_scale[:, None])
     q_bias = None if w.q_bias is None else w.q_bias * q_scale
     return replace(w, kv_a=kv_a, kv_a_bias=bias, q=w.q * q_scale[:, None], q_bias=q_bias)

@@ -195,6 +195,10 @@ def _factorize(
     kv_a_bias = None
     if rope_bias is not None:
         kv_a_bias = torch.cat([torch.zeros(latent_dim, dtype=torch.float64), rope_bias])
+    q_b = None
+    if attn.q_a is not None:  # one RMSNorm over the whole query kept: q_b maps its output head by head
+        q_b = torch.einsum("hnd,hdk->hnk", transform, attn.q_a_out.view(heads, dim, -1)).reshape(heads * (dim + rope_dim), -1)
+        q_new, q_bias = attn.q_a, attn.q_a_bias
     weights = MLAWeights(
         q=q_new,
         kv_a=torch.cat([latent_rows, rope_rows], dim=0),
@@ -208,5 +212,6 @@ def _factorize(
         q_bias=q_bias,
         kv_a_bias=kv_a_bias,
         o_bias=o_bias,
+        q_b=q_b,
     )
     return weights, FactorizeReport(kept_energy=kept, kv_balance=balance)

@@ -3,7 +3,8 @@
 `MLAWeights` is the *natural* parametrization of a converted layer: the latent is used as computed
 (no RMSNorm) and the query has an optional bias. export.py turns it into stock DeepSeek-V3 tensors
 (linearized kv_a_layernorm, q_lora path for a query bias); these forwards are the math the stock
-model must reproduce.
+model must reproduce. A converted layer may keep one RMSNorm over its whole query (`q_b`, for sources that
+normalize their queries, ops/qk_norm.py): that is DeepSeek's q_lora path with a genuine q_a_layernorm.
 """
 
 from __future__ import annotations
@@ -16,10 +17,17 @@ import torch.nn.functional as F
 
 from .rope import apply_interleaved, apply_rotate_half
 
+STOCK_NORM_EPS = 1e-6  # what transformers' DeepseekV3RMSNorm uses for the latent and query norms
+
 
 @dataclass
 class GQAWeights:
-    """One source attention layer. Shapes: q (H*D, d), k/v (G*D, d), o (d, H*D)."""
+    """One source attention layer. Shapes: q (H*D, d), k/v (G*D, d), o (d, H*D).
+
+    A source whose query is normalized (ops/qk_norm.py) may keep one RMSNorm over the whole query: its query is
+    then q_a_out @ RMSNorm(q_a x + q_a_bias) (q_a (n, d), q_a_out (H*D, n)), and q / q_bias stay its per-head
+    linear fold, which the closed form's statistics read.
+    """
 
     q: torch.Tensor
     k: torch.Tensor
@@ -32,6 +40,9 @@ class GQAWeights:
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    q_a: torch.Tensor | None = None
+    q_a_bias: torch.Tensor | None = None
+    q_a_out: torch.Tensor | None = None
 
     def to(self, dtype: torch.dtype, device=None) -> "GQAWeights":
         return _cast(self, dtype, device)
@@ -43,6 +54,8 @@ class MLAWeights:
 
     q (H*(dn+dr), d) already carries the softmax-scale correction; kv_a (r+dr, d) holds the latent
     rows then the interleaved rotary-key rows; kv_b (H*(dn+dv), r); o (d, H*dv).
+    With q_b (H*(dn+dr), n) the query is q_b @ RMSNorm(q x + q_bias) instead, q (n, d) and q_bias (n,) then
+    being the projection read through one RMSNorm (no weight: its weight is folded into q_b's columns).
     """
 
     q: torch.Tensor
@@ -57,6 +70,7 @@ class MLAWeights:
     q_bias: torch.Tensor | None = None
     kv_a_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    q_b: torch.Tensor | None = None
 
     @property
     def softmax_scale(self) -> float:
@@ -77,6 +91,14 @@ def _cast(weights, dtype, device):
 
 def _linear(x, weight, bias):
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def mla_query(x, w: MLAWeights) -> torch.Tensor:
+    """The converted layer's query on x (..., d): (..., H*(dn+dr)), rotary part not yet rotated."""
+    q = _linear(x, w.q, w.q_bias)
+    if w.q_b is None:
+        return q
+    return F.linear(q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + STOCK_NORM_EPS), w.q_b.to(x.dtype))
 
 
 def gqa_attention(x, w: GQAWeights, cos, sin, scale: float | None = None):
@@ -107,7 +129,7 @@ def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | No
     heads, dn, dr, dv, r = w.num_heads, w.nope_dim, w.rope_dim, w.v_dim, w.latent_dim
     xq = x if query_positions is None else x[:, query_positions]
     n_q = xq.shape[1]
-    q = _linear(xq, w.q, w.q_bias).view(bsz, n_q, heads, dn + dr).transpose(1, 2)  # (B, H, P, dn+dr)
+    q = mla_query(xq, w).view(bsz, n_q, heads, dn + dr).transpose(1, 2)  # (B, H, P, dn+dr)
     q_nope, q_rope = q.split([dn, dr], dim=-1)
     ckv = _linear(x, w.kv_a, w.kv_a_bias)  # (B, L, r + dr)
     latent, k_rope = ckv.split([r, dr], dim=-1)

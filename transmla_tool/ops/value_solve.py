@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from .mla import MLAWeights, _linear
+from .mla import MLAWeights, _linear, mla_query
 from .rope import apply_interleaved
 
 
@@ -29,7 +29,7 @@ def latent_readout(x, w: MLAWeights, cos, sin, cache_store=None) -> torch.Tensor
     """z (B, L, H, r): each head's attention-weighted sum of the latent (what W_uv then maps to its values)."""
     bsz, length, _ = x.shape
     heads, dn, dr, r = w.num_heads, w.nope_dim, w.rope_dim, w.latent_dim
-    q = _linear(x, w.q, w.q_bias).view(bsz, length, heads, dn + dr).transpose(1, 2)
+    q = mla_query(x, w).view(bsz, length, heads, dn + dr).transpose(1, 2)
     q_nope, q_rope = q.split([dn, dr], dim=-1)
     latent, k_rope = _linear(x, w.kv_a, w.kv_a_bias).split([r, dr], dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
