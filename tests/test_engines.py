@@ -156,8 +156,21 @@ def test_vllm_serves_tiny_families(trained_model, text_file, tmp_path, family, k
     convert(ConvertSettings(model=str(src), output=str(out), latent_dim=64, rope_dim=64, calib_data=str(text_file),
                             calib_samples=8, calib_seq_len=64, dtype="float32", device="cpu", progress=False,
                             method=PRESETS["closed-form"], pad_latent_to=512, target="vllm"))
+    _check_kept_query_norm(out, family, width=128)  # hidden 128 < 4 x 64: the compacted q_lora path
     prompts, windows = _prompts_and_windows(out, text_file, 64)
     _check_vllm(out, prompts, windows, env={}, max_model_len=256)
+
+
+def _check_kept_query_norm(out, family: str, width: int) -> None:
+    """A Qwen3 conversion is served through its genuine query norm (q_lora path of that width, weight 1)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    if family == "qwen3":
+        assert json.loads((out / "config.json").read_text())["q_lora_rank"] == width
+        norm = load_file(out / "model.safetensors")["model.layers.0.self_attn.q_a_layernorm.weight"]
+        assert torch.equal(norm, torch.ones(width))
 
 
 def test_gemma_geglu_is_not_served_by_vllm(trained_model, text_file, tmp_path):
@@ -317,6 +330,7 @@ def test_llamacpp_serves_tiny_families(trained_model, text_file, tmp_path, famil
                             calib_samples=8, calib_seq_len=64, dtype="float32", device="cpu", progress=False,
                             method=PRESETS["closed-form"], target=target,
                             pad_latent_to=304 if target == "vllm" else 0))  # vllm: latent + rope must be 320
+    _check_kept_query_norm(out, family, width=128)
     gguf_file = tmp_path / "mla.gguf"
     flags = export_gguf(GGUFSettings(checkpoint=str(out), output=str(gguf_file), tokenizer_pre="gpt-2"))["run_flags"]
     assert bool(flags) == kwargs.get("rope_scaling", False)  # the fitted YaRN ramp must be passed at run time
