@@ -57,7 +57,8 @@ class SourceLayers:
         """The layer's attention as linear q/k/v/o projections. A family with per-head q/k norms (Qwen3) has
         them folded in with scales fitted on `inputs` (N, L, d), the layer's residual-stream inputs
         (ops/qk_norm.py); `self.qk_norm_errors` then holds how far the fold is from the true norms there.
-        query_norm="keep" (the method setting) also gives the query as one RMSNorm over all heads (q_a...)."""
+        query_norm="keep" (the method setting) also gives the query read through one RMSNorm over all its heads
+        (GQAWeights.q_a, q_a_bias, q_a_out) and its error in `qk_norm_errors["query_norm_error"]`."""
         attn = layer.self_attn
         g = self.geometry
 
@@ -77,7 +78,7 @@ class SourceLayers:
             k, k_bias, k_errors = self._fold(attn.k_proj, attn.k_norm, x, g.num_kv_heads)
             self.qk_norm_errors.update({"k_" + key: value for key, value in k_errors.items()})
             if query_norm == "keep":
-                rows, scales, error = fold_query_norm(attn.q_proj.weight.detach(), bias("q"),
+                rows, _, error = fold_query_norm(attn.q_proj.weight.detach(), bias("q"),
                                                       attn.q_norm.weight.detach(), attn.q_norm.variance_epsilon,
                                                       x, g.num_heads, STOCK_NORM_EPS)
                 q_a, out = compact_query(attn.q_proj.weight.detach(), bias("q"))

@@ -63,11 +63,12 @@ class Method:
     # Inputs each layer is calibrated on: "source" (source model's hidden states) or "converted"
     # (the converted model's own hidden states, so errors do not accumulate across layers).
     calib_inputs: str = "source"
-    # Sources that normalize each head's query (Qwen3's per-head q RMSNorm, not linear): "keep" writes the
-    # query as DeepSeek's q_lora path with a genuine q_a_layernorm, one RMSNorm over the whole query (q_a_proj
-    # the source's q_proj, q_b_proj its per-head weights; +1x query parameters); "fold" folds the norm into
-    # per-head scales of a plain q_proj. No effect on sources without query norms. On small Qwen3 models trained
-    # here, "keep" halves the query's fold error (docs/families.md).
+    # Sources that normalize each head's query (Qwen3's per-head q RMSNorm, not linear): "keep" writes the query
+    # as DeepSeek's q_lora path with a genuine q_a_layernorm, one RMSNorm over the whole query (q_a_proj the
+    # source's q_proj, q_b_proj its per-head weights; at most hidden x hidden more query parameters per layer,
+    # ops/qk_norm.compact_query); "fold" folds the norm into per-head scales of a plain q_proj. No effect on
+    # sources without query norms. On small Qwen3 models trained here, "keep" cut the full-rank cost over a Llama
+    # control from 1.053x to 1.047x and the half-cache cost from 1.099x to 1.057x (docs/families.md).
     query_norm: str = "keep"
 
     # Shrinkage of the attention-input covariance toward a prior that trusts the calibration text less

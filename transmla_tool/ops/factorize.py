@@ -197,7 +197,8 @@ def _factorize(
         kv_a_bias = torch.cat([torch.zeros(latent_dim, dtype=torch.float64), rope_bias])
     q_b = None
     if attn.q_a is not None:  # one RMSNorm over the whole query kept: q_b maps its output head by head
-        q_b = torch.einsum("hnd,hdk->hnk", transform, attn.q_a_out.view(heads, dim, -1)).reshape(heads * (dim + rope_dim), -1)
+        q_b = torch.einsum("hnd,hdk->hnk", transform, attn.q_a_out.view(heads, dim, -1))
+        q_b = q_b.reshape(heads * (dim + rope_dim), -1)  # (H*(D+dr), n)
         q_new, q_bias = attn.q_a, attn.q_a_bias
     weights = MLAWeights(
         q=q_new,
