@@ -74,15 +74,15 @@ class SourceLayers:
                 raise ValueError(f"{g.family.name} has q/k norms: attention_weights needs the layer's inputs")
             with torch.no_grad():
                 x = layer.input_layernorm(inputs[:QK_NORM_WINDOWS])
+            if query_norm == "keep":  # the source's own query, read through one RMSNorm over all heads
+                rows, _, error = fold_query_norm(q, q_bias, attn.q_norm.weight.detach(),
+                                                 attn.q_norm.variance_epsilon, x, g.num_heads, STOCK_NORM_EPS)
+                q_a, out = compact_query(q, q_bias)
+                kept = dict(q_a=q_a, q_a_bias=q_bias, q_a_out=rows[:, None] * out)
             q, q_bias, self.qk_norm_errors = self._fold(attn.q_proj, attn.q_norm, x, g.num_heads)
             k, k_bias, k_errors = self._fold(attn.k_proj, attn.k_norm, x, g.num_kv_heads)
             self.qk_norm_errors.update({"k_" + key: value for key, value in k_errors.items()})
-            if query_norm == "keep":
-                rows, _, error = fold_query_norm(attn.q_proj.weight.detach(), bias("q"),
-                                                      attn.q_norm.weight.detach(), attn.q_norm.variance_epsilon,
-                                                      x, g.num_heads, STOCK_NORM_EPS)
-                q_a, out = compact_query(attn.q_proj.weight.detach(), bias("q"))
-                kept = dict(q_a=q_a, q_a_bias=bias("q"), q_a_out=rows[:, None] * out)
+            if kept:  # after the folds, which start the diagnostics afresh
                 self.qk_norm_errors.update(query_norm_error=round(error, 6))
         return GQAWeights(
             q=q,

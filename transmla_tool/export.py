@@ -22,6 +22,7 @@ import torch
 from .arch import AttentionGeometry
 from .ops.linear_norm import input_norm_bound, linearizing_scale, mean_square_bound
 from .ops.mla import STOCK_NORM_EPS, MLAWeights
+from .ops.qk_norm import compact_width
 
 # Tensors that write into the residual stream (names relative to a layer), scaled by residual_scale()
 RESIDUAL_WRITERS = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight")
@@ -99,12 +100,16 @@ def q_lora_rank(geometry: AttentionGeometry, q_bias: bool, query_norm: bool) -> 
     is the only query projection with a bias: it passes [x; 1] through a linearized norm, ops/linear_norm.py);
     none otherwise. natural_attention tells the two apart by the width."""
     if query_norm:
-        width = geometry.num_heads * geometry.head_dim
-        width = width if geometry.q_bias else min(width, geometry.hidden_size)
-        if width == geometry.hidden_size + 1:
+        width = compact_width(geometry.num_heads * geometry.head_dim, geometry.hidden_size, geometry.q_bias)
+        if width == _query_bias_width(geometry.hidden_size):
             raise ValueError(f"a kept query norm of width {width} would read back as a query bias (hidden + 1)")
         return width
-    return geometry.hidden_size + 1 if q_bias else None
+    return _query_bias_width(geometry.hidden_size) if q_bias else None
+
+
+def _query_bias_width(hidden: int) -> int:
+    """The q_lora path that carries a query bias alone: [x; 1] through a linearized norm."""
+    return hidden + 1
 
 
 def engine_rope_parameters(src_config, rope_dim: int, head_dim: int, yarn_for_scaled_rope: bool = False) -> dict:
@@ -220,7 +225,7 @@ def natural_attention(tensors: dict[str, torch.Tensor], config) -> MLAWeights:
     if kv_a_bias is not None:
         kv_a_bias = torch.cat([kv_a_bias[:r] * scale, kv_a_bias[r:]])
     q_bias = q_b = None
-    if config.q_lora_rank is not None and config.q_lora_rank != config.hidden_size + 1:  # a kept query norm
+    if config.q_lora_rank not in (None, _query_bias_width(config.hidden_size)):  # a kept query norm
         q, q_bias = t["q_a_proj.weight"], t.get("q_a_proj.bias")
         q_b = t["q_b_proj.weight"] * t["q_a_layernorm.weight"][None, :]
     elif config.q_lora_rank is not None:

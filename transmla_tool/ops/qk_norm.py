@@ -78,11 +78,18 @@ def fold_query_norm(weight: torch.Tensor, bias: torch.Tensor | None, norm_weight
     return rows.float(), scales.float(), error
 
 
+def compact_width(rows: int, hidden: int, has_bias: bool) -> int:
+    """How many values q_a_proj gives a kept query norm of a `rows`-wide query: min(rows, hidden), or all rows for
+    a query with a bias (compact_query keeps it as it is). The output config's q_lora_rank."""
+    return rows if has_bias else min(rows, hidden)
+
+
 def compact_query(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_a, out): a projection q_a (n, d) with RMSNorm(weight x) = out RMSNorm(q_a x) for every x (up to the
-    norm's eps), n = min(H*D, d); out (H*D, n). A query with a bias, or no wider than d, is kept as it is."""
+    norm's eps), n = compact_width(H*D, d, bias); out (H*D, n). A query with a bias, or no wider than d, is kept
+    as it is."""
     rows, hidden = weight.shape
-    if bias is not None or rows <= hidden:
+    if compact_width(rows, hidden, bias is not None) == rows:
         return weight, torch.eye(rows, dtype=weight.dtype, device=weight.device)
     u, s, vh = torch.linalg.svd(weight.double(), full_matrices=False)  # u (H*D, d)
     return (s[:, None] * vh).to(weight.dtype), (u * (rows / hidden) ** 0.5).to(weight.dtype)
