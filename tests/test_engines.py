@@ -474,6 +474,58 @@ def test_eval_in_llamacpp_cache_types(tmp_path):
     assert abs(simulated / q4 - 1) < 0.25 * abs(q4 / f16 - 1) + 0.003
 
 
+GGML_ROUND_TRIP = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+void quantize_row_iq4_nl_ref(const float *x, void *y, int64_t k);
+void dequantize_row_iq4_nl(const void *x, float *y, int64_t k);
+int main(int argc, char **argv) { /* rows of k floats on stdin -> the same rows stored as iq4_nl and read back */
+    int k = atoi(argv[1]);
+    float *x = malloc(k * sizeof(float)), *y = malloc(k * sizeof(float));
+    void *q = malloc(k);
+    while (fread(x, sizeof(float), k, stdin) == (size_t)k) {
+        quantize_row_iq4_nl_ref(x, q, k);
+        dequantize_row_iq4_nl(q, y, k);
+        fwrite(y, sizeof(float), k, stdout);
+    }
+    return 0;
+}
+"""
+
+
+def test_iq4_nl_simulation_matches_ggml(tmp_path):
+    """ops/kv_quant.py's iq4_nl is bit-equal to the quantizer llama.cpp writes an iq4_nl KV cache with
+    (quantize_row_iq4_nl_ref, the CPU backend's from_float for the type) and its dequantizer: a C program linked
+    against the ggml that `make engines` built, on values with outliers, a zero block and a near-zero block."""
+    import shutil
+    import subprocess
+
+    import numpy as np
+
+    from transmla_tool.ops.kv_quant import quantize_dequantize
+
+    build = _llamacpp_or_skip().parents[1]
+    library, headers, compiler = build / "ggml" / "src" / "libggml-base.a", build.parent / "ggml" / "include", \
+        shutil.which("cc") or shutil.which("gcc")
+    if not library.exists() or compiler is None:
+        if os.environ.get("TRANSMLA_REQUIRE_ENGINES") == "1":
+            raise AssertionError(f"no {library} or no C compiler: build llama.cpp with `make engines`")
+        pytest.skip(f"no {library} or no C compiler")
+    (tmp_path / "round_trip.c").write_text(GGML_ROUND_TRIP)
+    program = tmp_path / "round_trip"
+    subprocess.run([compiler, "-O1", f"-I{headers}", str(tmp_path / "round_trip.c"), str(library), "-lm", "-lpthread",
+                    "-lstdc++", "-fopenmp", "-o", str(program)], check=True, capture_output=True)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 192, generator=gen) * torch.rand(4096, 1, generator=gen) * 5
+    x[3, 5], x[4, :32], x[5, :32] = 40.0, 0.0, 1e-20
+    run = subprocess.run([str(program), "192"], input=x.numpy().tobytes(), capture_output=True, check=True)
+    reference = np.frombuffer(run.stdout, np.float32).reshape(x.shape)
+    ours = quantize_dequantize(x, "iq4_nl").numpy()
+    assert np.array_equal(ours, reference), int((ours != reference).sum())
+    assert not np.array_equal(ours, x.numpy())
+
+
 def _store_through(attention, store):
     """Make a stock DeepseekV3Attention read its keys and values through `store` applied to the row an MLA engine
     caches, [kv_a_layernorm(latent) | RoPE(rope key)] (a test double of a quantized cache, no cache object)."""

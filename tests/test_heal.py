@@ -267,7 +267,7 @@ def test_quantization_aware_healing(qat_student, text_file, tmp_path):
 
 
 @pytest.mark.parametrize("cache,student_fixture,needle", [
-    ("iq4_nl", "qat_student", "healing can train through"),
+    ("q3_k", "qat_student", "healing can train through"),
     ("q4_0", "teacher_and_student", "caches 16 values per token"),
 ])
 def test_heal_cache_type_is_checked(request, text_file, tmp_path, capsys, cache, student_fixture, needle):

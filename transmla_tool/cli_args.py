@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", default="attention", choices=["attention", "all"])
     p.add_argument("--cache-type", default=None,
                    help="quantization-aware healing: train through this llama.cpp KV-cache type (q8_0, q5_0, q5_1, "
-                   "q4_0, q4_1, f16) for a model served over that cache (default: an exact cache)")
+                   "q4_0, q4_1, iq4_nl, f16) for a model served over that cache (default: an exact cache)")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--mixed-precision", default="auto", help="auto (bf16 on GPU), no, bf16, fp16")
     p.add_argument("--save-every", type=int, default=0, help="steps between resumable checkpoints")

@@ -11,8 +11,10 @@ Facts (llama.cpp, the llama-cpp-python 0.3.36 sdist):
   magnitude, q = min(15, trunc(x / d + 8.5)), value (q - 8) d; q5_0 the same with 16 / 31; q4_1 / q5_1:
   d = (max - min) / 15 (31), q = trunc((x - min) / d + 0.5), value q d + min. d and min are stored as
   fp16 (the values are rebuilt from the rounded d; the codes were chosen with the unrounded one).
-- iq4_nl (a non-uniform 16-level grid with a per-block scale search) is not reproduced here; it is a
-  storage type only (bytes), measured in the engine.
+- iq4_nl: a non-uniform grid of 16 levels (IQ4NL_LEVELS) times one fp16 scale per block. The cache path
+  (quantize_row_iq4_nl_ref, no scale search there): d = max / -127, codes = the nearest level to x / d
+  (ties to the upper one), then d refitted by least squares weighted by x^2: d = sum(x^3 q) / sum(x^2 q^2),
+  the codes kept.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ BLOCK = 32
 class CacheType:
     name: str
     bytes_per_block: int  # per BLOCK values (for the float types: BLOCK * element size)
-    kind: str  # "float", "absmax" (signed scale), "minmax" (scale and minimum), "grid" (not simulated)
+    kind: str  # "float", "absmax" (signed scale), "minmax" (scale and minimum), "grid" (levels times a scale)
     levels: int = 0  # codes per value for the integer types
 
     @property
@@ -49,7 +51,8 @@ CACHE_TYPES = {t.name: t for t in (
     CacheType("iq4_nl", 2 + BLOCK // 2, "grid", 16),
 )}
 # the types quantize_dequantize reproduces (a quantization-aware fit can target them)
-SIMULATED_CACHE_TYPES = tuple(n for n, t in CACHE_TYPES.items() if t.kind != "grid" and n != "f32")
+SIMULATED_CACHE_TYPES = tuple(n for n in CACHE_TYPES if n != "f32")
+IQ4NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 
 
 def cache_type(name: str) -> CacheType:
@@ -73,8 +76,6 @@ def quantize_dequantize(x: torch.Tensor, name: str) -> torch.Tensor:
     kind = cache_type(name)
     if kind.kind == "float":
         return x if name == "f32" else x.to(getattr(torch, {"f16": "float16", "bf16": "bfloat16"}[name])).to(x.dtype)
-    if kind.kind == "grid":
-        raise ValueError(f"cache type {name} is measured in the engine only (its grid search is not reproduced)")
     n = x.shape[-1]
     if n % BLOCK:
         raise ValueError(f"a {name} cache row needs a multiple of {BLOCK} values, got {n}")
@@ -93,6 +94,8 @@ def quantize_dequantize(x: torch.Tensor, name: str) -> torch.Tensor:
             inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
             codes = torch.clamp(torch.trunc(work * inv + half + 0.5), max=kind.levels - 1)
             out = (codes - half) * _fp16(d)
+    elif kind.kind == "grid":
+        out = _iq4_nl(work)
     else:
         low, high = work.amin(-1, keepdim=True), work.amax(-1, keepdim=True)
         d = (high - low) / (kind.levels - 1)
@@ -100,6 +103,24 @@ def quantize_dequantize(x: torch.Tensor, name: str) -> torch.Tensor:
         codes = torch.clamp(torch.trunc((work - low) * inv + 0.5), max=kind.levels - 1)
         out = codes * _fp16(d) + _fp16(low)
     return out.reshape(x.shape).to(x.dtype)
+
+
+def _iq4_nl(work: torch.Tensor) -> torch.Tensor:
+    levels = torch.tensor(IQ4NL_LEVELS, dtype=work.dtype, device=work.device)
+    signed_max = work.gather(-1, work.abs().argmax(-1, keepdim=True))
+    d = signed_max / levels[0]
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    # nearest level, ties to the upper one: the number of midpoints at or below x / d
+    q = levels[torch.bucketize(work * inv, (levels[1:] + levels[:-1]) / 2, right=True)]
+    weight = work * work
+    # ggml sums the 32 terms in order in float32; so do we, so that d rounds to the same fp16
+    sum_qx, sum_q2 = torch.zeros_like(d), torch.zeros_like(d)
+    for j in range(BLOCK):
+        sum_qx = sum_qx + (weight[..., j : j + 1] * q[..., j : j + 1]) * work[..., j : j + 1]
+        sum_q2 = sum_q2 + (weight[..., j : j + 1] * q[..., j : j + 1]) * q[..., j : j + 1]
+    fitted = sum_qx / torch.where(sum_q2 > 0, sum_q2, torch.ones_like(sum_q2))
+    d = torch.where((sum_q2 > 0) & (signed_max.abs() >= 1e-15), fitted, torch.zeros_like(d))  # ggml's GROUP_MAX_EPS
+    return q * _fp16(d)
 
 
 def straight_through(name: str | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
