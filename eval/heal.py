@@ -72,7 +72,15 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--save-every", type=int, default=25)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--frontier-only", action="store_true",
+                        help="score a finished run's conversion and healed model under --cache-types again (e.g. a "
+                        "cache type added later), without converting or healing")
     args = parser.parse_args()
+    if args.frontier_only and not args.cache_types:
+        raise SystemExit("--frontier-only needs --cache-types")
+    finished = Path(args.output_dir) / f"healed-{args.latent_dim + args.rope_dim}" / "healing.json"
+    if args.frontier_only and not finished.exists():
+        raise SystemExit(f"--frontier-only: {finished.parent} is not a finished healing run; run without --frontier-only")
     try:
         method = resolve_method("default", args.overrides)  # a bad --set fails here, before any work
         check_cache_type(args.cache_type)
@@ -102,6 +110,12 @@ def main() -> None:
         heldout = splits[left_out][1]
     budget = args.latent_dim + args.rope_dim  # cached values per token per layer
     converted = out / f"converted-{budget}"
+    healed = out / f"healed-{budget}"
+    if args.frontier_only:
+        tokens = json.loads((healed / "healing.json").read_text())["tokens"]
+        place_on_frontier(out, model_dir, gguf, {"converted": converted, f"healed {tokens} tokens": healed},
+                          heldout, cache_types, args.frontier_chunks)
+        return
     record = out / "conversion.json"
     # the resolved method too: `default` changes between releases, and a rerun must not reuse an older default's
     # conversion under the same (empty) overrides
@@ -130,7 +144,6 @@ def main() -> None:
         del model
     original = json.loads(reference.read_text())["perplexity"]
 
-    healed = out / f"healed-{budget}"
     summary = heal(HealSettings(
         model=str(converted), output=str(healed), data=data, teacher=model_dir, teacher_gguf_file=gguf,
         max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
@@ -153,7 +166,8 @@ def main() -> None:
 def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, heldout: Path, cache_types: list[str],
                       chunks: int) -> None:
     """llama.cpp perplexity of the original and of each checkpoint on the held-out documents under each cache type:
-    where healing moves the model on the quality-per-byte frontier. Appends a table to heal.md, rows to frontier.json."""
+    where healing moves the model on the quality-per-byte frontier. Appends a table to heal.md; frontier.json keeps
+    the types scored before and adds these."""
     import tempfile
 
     from transmla_tool.evaluate.frontier import Point, markdown_table, score_in_llamacpp
@@ -162,6 +176,11 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
     text.write_text("\n\n".join(json.loads(line)["text"] for line in heldout.read_text().splitlines() if line.strip()))
     with tempfile.TemporaryDirectory() as tmp:
         scored = score_in_llamacpp(model_dir, gguf, checkpoints, text, 512, chunks, cache_types, cache_types, tmp)
+    earlier = json.loads((out / "frontier.json").read_text()) if (out / "frontier.json").exists() else {}
+    if earlier.get("chunks") == chunks:  # keep the cache types scored before (a rerun adds types, it does not drop them)
+        for key, types in scored.items():
+            earlier["scored"].setdefault(key, {}).update(types)
+        scored = earlier["scored"]
     reference = scored["original"]["f16"]["perplexity"]
     points = [Point(label=key, kind="original" if key == "original" else "converted", cache=entry,
                     bytes=round(m["bytes"], 1), ratio=m["perplexity"] / reference)

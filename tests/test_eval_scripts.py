@@ -143,6 +143,42 @@ def test_heal_benchmark_refuses_a_directory_converted_with_other_settings(tmp_pa
     assert run.returncode != 0 and '"rope_dim": 32' in run.stderr
 
 
+def test_heal_frontier_only_adds_cache_types_to_a_finished_run(tmp_path, monkeypatch):
+    """`--frontier-only` scores a finished run under more cache types: frontier.json keeps the types scored before
+    and gains the new ones (the engine is a stand-in here; the llama.cpp scoring is tested in test_engines.py)."""
+    import json
+
+    import transmla_tool.evaluate.frontier as frontier
+
+    heal_script = _eval_module("heal")
+    out, heldout = tmp_path / "run", tmp_path / "heldout.jsonl"
+    out.mkdir()
+    heldout.write_text(json.dumps({"text": "held-out words"}) + "\n")
+    before = {"original": {"f16": {"perplexity": 10.0, "bytes": 768.0, "chunks": 16}},
+              "healed 8 tokens": {"q4_0": {"perplexity": 12.4, "bytes": 108.0, "chunks": 16}}}
+    (out / "frontier.json").write_text(json.dumps({"scored": before, "chunks": 16}))
+
+    def score(original, gguf, checkpoints, text, ctx, chunks, original_types, converted_types, tmp):
+        assert list(checkpoints) == ["healed 8 tokens"] and converted_types == ["iq4_nl"]
+        return {"original": {"f16": {"perplexity": 10.0, "bytes": 768.0, "chunks": 16}},
+                "healed 8 tokens": {"iq4_nl": {"perplexity": 12.1, "bytes": 108.0, "chunks": 16}}}
+
+    monkeypatch.setattr(frontier, "score_in_llamacpp", score)
+    heal_script.place_on_frontier(out, "model", "model.gguf", {"healed 8 tokens": out / "healed"}, heldout,
+                                  ["iq4_nl"], 16)
+    scored = json.loads((out / "frontier.json").read_text())["scored"]
+    assert scored["healed 8 tokens"] == {"q4_0": before["healed 8 tokens"]["q4_0"],
+                                         "iq4_nl": {"perplexity": 12.1, "bytes": 108.0, "chunks": 16}}
+    assert "| healed 8 tokens | iq4_nl |" in (out / "heal.md").read_text()
+
+
+def test_heal_frontier_only_refuses_an_unfinished_run(tmp_path):
+    run = _heal_script("--output-dir", str(tmp_path / "heal"), "--data", "mix-docs", "--frontier-only",
+                       "--cache-types", "iq4_nl")
+    assert run.returncode != 0
+    assert "is not a finished healing run" in run.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize(("last", "sentence"), [(10.4, "within 5% of the original: 20 tokens."),
                                                  (11.0, "within 5% of the original: not reached.")])
 def test_heal_report_says_when_the_original_was_reached(tmp_path, last, sentence):
