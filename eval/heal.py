@@ -78,9 +78,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.frontier_only and not args.cache_types:
         raise SystemExit("--frontier-only needs --cache-types")
-    finished = Path(args.output_dir) / f"healed-{args.latent_dim + args.rope_dim}" / "healing.json"
-    if args.frontier_only and not finished.exists():
-        raise SystemExit(f"--frontier-only: {finished.parent} is not a finished healing run; run without --frontier-only")
+    budget = args.latent_dim + args.rope_dim  # cached values per token per layer
+    healed = Path(args.output_dir) / f"healed-{budget}"
+    if args.frontier_only and not (healed / "healing.json").exists():
+        raise SystemExit(f"--frontier-only: {healed} is not a finished healing run; run without --frontier-only")
     try:
         method = resolve_method("default", args.overrides)  # a bad --set fails here, before any work
         check_cache_type(args.cache_type)
@@ -108,9 +109,7 @@ def main() -> None:
         splits = domain_splits(out / "data")
         calib = data = ",".join(str(splits[d][0]) for d in DOMAINS if d != left_out)
         heldout = splits[left_out][1]
-    budget = args.latent_dim + args.rope_dim  # cached values per token per layer
     converted = out / f"converted-{budget}"
-    healed = out / f"healed-{budget}"
     if args.frontier_only:
         tokens = json.loads((healed / "healing.json").read_text())["tokens"]
         place_on_frontier(out, model_dir, gguf, {"converted": converted, f"healed {tokens} tokens": healed},

@@ -112,12 +112,12 @@ def _iq4_nl(work: torch.Tensor) -> torch.Tensor:
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     # nearest level, ties to the upper one: the number of midpoints at or below x / d
     q = levels[torch.bucketize(work * inv, (levels[1:] + levels[:-1]) / 2, right=True)]
-    weight = work * work
+    weighted = work * work * q  # ggml's weight x^2 times the level
+    terms_qx, terms_q2 = weighted * work, weighted * q
     # ggml sums the 32 terms in order in float32; so do we, so that d rounds to the same fp16
     sum_qx, sum_q2 = torch.zeros_like(d), torch.zeros_like(d)
     for j in range(BLOCK):
-        sum_qx = sum_qx + (weight[..., j : j + 1] * q[..., j : j + 1]) * work[..., j : j + 1]
-        sum_q2 = sum_q2 + (weight[..., j : j + 1] * q[..., j : j + 1]) * q[..., j : j + 1]
+        sum_qx, sum_q2 = sum_qx + terms_qx[..., j : j + 1], sum_q2 + terms_q2[..., j : j + 1]
     fitted = sum_qx / torch.where(sum_q2 > 0, sum_q2, torch.ones_like(sum_q2))
     d = torch.where((sum_q2 > 0) & (signed_max.abs() >= 1e-15), fitted, torch.zeros_like(d))  # ggml's GROUP_MAX_EPS
     return q * _fp16(d)
