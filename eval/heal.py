@@ -72,6 +72,9 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--save-every", type=int, default=25)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--rebalance", default=None, choices=["partial", "energy"],
+                        help="also place the conversion and the healed model with their rotary keys balanced after the "
+                        "fact (`transmla-tool rebalance`, measured on the run's calibration text), as extra rows")
     parser.add_argument("--frontier-only", action="store_true",
                         help="score a finished run's conversion and healed model under --cache-types again (e.g. a "
                         "cache type added later), without converting or healing")
@@ -112,8 +115,9 @@ def main() -> None:
     converted = out / f"converted-{budget}"
     if args.frontier_only:
         tokens = json.loads((healed / "healing.json").read_text())["tokens"]
-        place_on_frontier(out, model_dir, gguf, {"converted": converted, f"healed {tokens} tokens": healed},
-                          heldout, cache_types, args.frontier_chunks)
+        checkpoints = {"converted": converted, f"healed {tokens} tokens": healed}
+        place_on_frontier(out, model_dir, gguf, with_rebalanced(checkpoints, args.rebalance, str(calib)), heldout,
+                          cache_types, args.frontier_chunks)
         return
     record = out / "conversion.json"
     # the resolved method too: `default` changes between releases, and a rerun must not reuse an older default's
@@ -158,8 +162,26 @@ def main() -> None:
                   "the original's is exact)")
     write_report(out, rows, original, summary, setup, f"{args.latent_dim} + {args.rope_dim}")
     if cache_types:
-        place_on_frontier(out, model_dir, gguf, {"converted": converted, f"healed {summary['tokens']} tokens": healed},
-                          heldout, cache_types, args.frontier_chunks)
+        checkpoints = {"converted": converted, f"healed {summary['tokens']} tokens": healed}
+        place_on_frontier(out, model_dir, gguf, with_rebalanced(checkpoints, args.rebalance, str(calib)), heldout,
+                          cache_types, args.frontier_chunks)
+
+
+def with_rebalanced(checkpoints: dict, balance: str | None, calib: str) -> dict:
+    """The checkpoints, plus each one's rotary key balanced (`<dir>-<balance>`, labelled `+<balance>`) when asked;
+    balanced on the calibration text, never on the held-out domain. A balanced directory already there is reused."""
+    if balance is None:
+        return checkpoints
+    from transmla_tool.rebalance import RebalanceSettings, rebalance
+
+    out = dict(checkpoints)
+    for label, path in checkpoints.items():
+        target = Path(f"{path}-{balance}")
+        if not (target / "rebalance.json").exists():
+            rebalance(RebalanceSettings(model=str(path), output=str(target), balance=balance, calib_data=calib,
+                                        device="cpu", overwrite=True))
+        out[f"{label} +{balance}"] = target
+    return out
 
 
 def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, heldout: Path, cache_types: list[str],

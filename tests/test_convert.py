@@ -104,6 +104,29 @@ def test_error_shrinks_with_latent_dim(make_model, convert_tiny):
         assert torch.linalg.matrix_rank(expanded.reshape(128, -1), rtol=1e-9) == full
 
 
+@pytest.mark.parametrize("balance", ["energy", "partial"])
+def test_cache_facing_bases_keep_the_model(make_model, convert_tiny, balance):
+    """latent_basis and rope_key_balance are exact changes of basis applied during conversion: the stock
+    checkpoint computes what the plain closed form computes, but its cached rotary key is scaled pair by pair
+    (queries inversely), in the direction that evens the pairs' energies out."""
+    from transmla_tool.methods import PRESETS
+
+    src = make_model("llama", kv_heads=2)
+    ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
+    plain_dir, _, plain = convert_tiny(src, latent_dim=12, rope_dim=8, method=PRESETS["closed-form"])
+    method = dataclasses.replace(PRESETS["closed-form"], latent_basis="hadamard", rope_key_balance=balance)
+    turned_dir, summary, turned = convert_tiny(src, latent_dim=12, rope_dim=8, method=method)
+    assert summary["settings"]["method"]["rope_key_balance"] == balance
+    assert rel_err(logits(turned_dir, ids), logits(plain_dir, ids)) < 1e-5
+    r = 12
+    for i in plain:
+        before, after = plain[i].kv_a[r:], turned[i].kv_a[r:]
+        scale = (after.norm(dim=1) / before.norm(dim=1)).view(-1, 2)  # one scale per rotary pair
+        assert torch.allclose(scale[:, 0], scale[:, 1], rtol=1e-6) and scale.std() > 1e-3
+        energy = before.pow(2).sum(1).view(-1, 2).sum(1)  # louder pairs (by weight norm) are scaled down
+        assert torch.corrcoef(torch.stack([energy.log(), scale[:, 0].log()]))[0, 1] < 0
+
+
 def test_bit_identical_outputs(make_model, convert_tiny, tmp_path):
     src = make_model("llama", kv_heads=2)
     digests = []

@@ -172,6 +172,40 @@ def test_heal_frontier_only_adds_cache_types_to_a_finished_run(tmp_path, monkeyp
     assert "| healed 8 tokens | iq4_nl |" in (out / "heal.md").read_text()
 
 
+def test_heal_rebalanced_rows(make_model, convert_tiny, text_file, tmp_path):
+    """`--rebalance partial` adds each checkpoint with its rotary key balanced as its own row, written once
+    beside it and reused by a rerun."""
+    from transmla_tool.methods import PRESETS
+
+    heal_script = _eval_module("heal")
+    converted, _, _ = convert_tiny(make_model("llama", kv_heads=2), latent_dim=12, rope_dim=8,
+                                   output=tmp_path / "converted-20", method=PRESETS["closed-form"])
+    assert heal_script.with_rebalanced({"converted": converted}, None, str(text_file)) == {"converted": converted}
+    rows = heal_script.with_rebalanced({"converted": converted}, "partial", str(text_file))
+    balanced = tmp_path / "converted-20-partial"
+    assert rows == {"converted": converted, "converted +partial": balanced}
+    assert (balanced / "rebalance.json").exists()
+    stamp = (balanced / "model.safetensors").stat().st_mtime_ns
+    heal_script.with_rebalanced({"converted": converted}, "partial", str(text_file))
+    assert (balanced / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_cache_split_rows(make_model, convert_tiny, text_file):
+    """eval/cache_split.py: the exact cache is the reference, every quantized reading costs something, and balancing
+    the rotary key leaves the exact model alone (its rows are restored between powers)."""
+    from transmla_tool.methods import PRESETS
+
+    split = _eval_module("cache_split").split
+    converted, _, _ = convert_tiny(make_model("llama", kv_heads=2), latent_dim=24, rope_dim=8,
+                                   method=PRESETS["closed-form"])  # a row of 32: one block
+    rows = split(str(converted), str(text_file), str(text_file), ["q4_0"], [0.0, 0.3], windows=4, seq_len=64)
+    assert [(r["cache"], r["quantized"]) for r in rows] == [
+        ("exact", "nothing"), ("q4_0", "all"), ("q4_0", "latent"), ("q4_0", "rotary key"),
+        ("q4_0", "all, rotary key p=0.3")]
+    assert rows[0]["ratio"] == 1.0 and all(r["ratio"] > 1.0 for r in rows[1:4])
+    assert rows[4]["perplexity"] != rows[1]["perplexity"]
+
+
 def test_heal_frontier_only_refuses_an_unfinished_run(tmp_path):
     run = _heal_script("--output-dir", str(tmp_path / "heal"), "--data", "mix-docs", "--frontier-only",
                        "--cache-types", "iq4_nl")

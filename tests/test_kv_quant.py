@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_ops import _moment, _random_layer
 
-from transmla_tool.ops.basis import balance_rope_key, hadamard, latent_rotation, rope_pair_energy, rotate_latent
+from transmla_tool.ops.basis import ROPE_KEY_BALANCES, balance_rope_key, hadamard, latent_rotation, rope_pair_energy, rotate_latent
 from transmla_tool.ops.decouple import fold_pools, plan_rope
 from transmla_tool.ops.factorize import factorize
 from transmla_tool.ops.kv_quant import (
@@ -135,26 +135,56 @@ def test_changes_of_basis_are_exact(bias):
     from dataclasses import replace
 
     mla, x, cos, sin = _converted(bias)
-    # a loud first rotary pair (keys x 4, its queries / 4: the same layer) for the balance to even out
-    r, dn, dr = mla.latent_dim, mla.nope_dim, mla.rope_dim
-    key_scale = torch.ones(r + dr, dtype=torch.float64)
-    key_scale[r:r + 2] = 4.0
-    q_scale = torch.ones(dn + dr, dtype=torch.float64)
-    q_scale[dn:dn + 2] = 0.25
-    q_scale = q_scale.repeat(mla.num_heads)
-    mla = replace(mla, kv_a=mla.kv_a * key_scale[:, None], q=mla.q * q_scale[:, None],
-                  kv_a_bias=None if mla.kv_a_bias is None else mla.kv_a_bias * key_scale,
-                  q_bias=None if mla.q_bias is None else mla.q_bias * q_scale)
+    mla = _loud_first_pair(mla, 4.0)
+    r = mla.latent_dim
     reference = mla_attention(x, mla, cos, sin)
     rotated = rotate_latent(mla, latent_rotation(mla.latent_dim, "hadamard", seed=1))
     balanced = balance_rope_key(rotated, _moment(x))
-    for changed in (rotated, balanced):
+    partial = balance_rope_key(rotated, _moment(x), ROPE_KEY_BALANCES["partial"])
+    for changed in (rotated, balanced, partial):
         assert torch.allclose(mla_attention(x, changed, cos, sin), reference, atol=1e-10)
     assert not torch.allclose(rotated.kv_a[:r], mla.kv_a[:r])
     unbalanced = rope_pair_energy(mla, _moment(x))
     assert unbalanced[0] > 4 * unbalanced[1:].max()
     energy = rope_pair_energy(balanced, _moment(x))
     assert torch.allclose(energy, energy.mean().expand_as(energy), rtol=1e-9)
+    # power p keeps (1 - 2p) of each pair's log-energy distance from the others
+    spread, kept = unbalanced.log(), rope_pair_energy(partial, _moment(x)).log()
+    assert torch.allclose(kept - kept.mean(), (1 - 2 * 0.3) * (spread - spread.mean()), atol=1e-9)
+
+
+def _loud_first_pair(mla, factor: float):
+    """The same layer with its first rotary-key pair `factor` times louder (its queries divided by it)."""
+    from dataclasses import replace
+
+    r, dn, dr = mla.latent_dim, mla.nope_dim, mla.rope_dim
+    key_scale = torch.ones(r + dr, dtype=torch.float64)
+    key_scale[r:r + 2] = factor
+    q_scale = torch.ones(dn + dr, dtype=torch.float64)
+    q_scale[dn:dn + 2] = 1.0 / factor
+    q_scale = q_scale.repeat(mla.num_heads)
+    return replace(mla, kv_a=mla.kv_a * key_scale[:, None], q=mla.q * q_scale[:, None],
+                   kv_a_bias=None if mla.kv_a_bias is None else mla.kv_a_bias * key_scale,
+                   q_bias=None if mla.q_bias is None else mla.q_bias * q_scale)
+
+
+def test_balanced_rotary_key_quantizes_better():
+    """The reason for the balance: with one loud rotary pair, a q4_0 cache loses less of the layer's output
+    once the pairs are evened out (either power)."""
+    mla, x, cos, sin = _converted(latent=48, rope=16)  # row of 64: the rotary key shares a block with the latent
+    mla = _loud_first_pair(mla, 8.0)
+    mla, x, cos, sin = mla.to(torch.float32), x.float(), cos.float(), sin.float()
+    reference = mla_attention(x, mla, cos, sin)
+    store = cache_row_store("q4_0", mla.latent_dim)
+
+    def error(w):
+        out = mla_attention(x, w, cos, sin, cache_store=store)
+        return float((out - reference).pow(2).mean() / reference.pow(2).mean())
+
+    moment = _moment(x.double()).float()
+    errors = {name: error(balance_rope_key(mla, moment, power)) for name, power in ROPE_KEY_BALANCES.items()}
+    print("q4_0 relative output error by rope_key_balance:", {k: f"{v:.3e}" for k, v in errors.items()})
+    assert errors["partial"] < 0.7 * errors["none"] and errors["energy"] < 0.7 * errors["none"]
 
 
 def test_rope_balance_with_a_kept_query_norm():

@@ -137,8 +137,23 @@ def cmd_export_gguf(args) -> int:
     return 0
 
 
+def cmd_rebalance(args) -> int:
+    from .rebalance import RebalanceSettings, rebalance
+
+    record = rebalance(RebalanceSettings(
+        model=args.checkpoint, output=args.output, balance=args.balance, calib_data=args.calib_data,
+        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, text_field=args.text_field,
+        batch_size=args.batch_size, device=args.device, overwrite=args.overwrite,
+    ))
+    spread = [(layer["pair_energy_spread_before"], layer["pair_energy_spread_after"]) for layer in record["layers"]]
+    print(f"wrote {args.output}: rotary-key pairs scaled by energy^-{record['power']} ({record['calib_tokens']} "
+          f"calibration tokens); largest pair-energy spread {max(s[0] for s in spread):.1f}x -> "
+          f"{max(s[1] for s in spread):.1f}x")
+    return 0
+
+
 COMMANDS = {"convert": cmd_convert, "eval": cmd_eval, "sweep": cmd_sweep, "heal": cmd_heal, "demo": cmd_demo,
-            "export-gguf": cmd_export_gguf}
+            "export-gguf": cmd_export_gguf, "rebalance": cmd_rebalance}
 
 
 def main(argv: list[str] | None = None) -> int:

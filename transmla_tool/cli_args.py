@@ -161,6 +161,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "(llama-bpe, qwen2, smollm, gpt-2, ...)")
     p.add_argument("--overwrite", action="store_true")
 
+    p = sub.add_parser("rebalance", help="balance the rotary key of a converted (or healed) checkpoint so that a "
+                       "quantized KV cache (q4_0, iq4_nl) costs it less; the model computes the same function")
+    p.add_argument("checkpoint", help="directory written by `transmla-tool convert` or `heal`")
+    p.add_argument("--output", required=True, help="directory to write the balanced checkpoint to")
+    p.add_argument("--balance", default="partial", choices=["partial", "energy"],
+                   help="pairs scaled by energy^-0.3 (partial) or to equal energy (energy); see docs/method.md")
+    from .convert import DEFAULT_CALIB_DATA
+
+    p.add_argument("--calib-data", default=DEFAULT_CALIB_DATA,
+                   help="text the rotary-key energies are measured on (as convert's --calib-data)")
+    p.add_argument("--calib-samples", type=int, default=16, help="windows of --calib-seq-len tokens")
+    p.add_argument("--calib-seq-len", type=int, default=512)
+    p.add_argument("--text-field", default="text", help="text column of .jsonl/.parquet/datasets data")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--overwrite", action="store_true")
+
     p = sub.add_parser("demo", help="convert the bundled SmolLM2-135M and compare it with the original")
     p.add_argument("--output-dir", default="demo_out")
     p.add_argument("--latent-dim", type=int, default=128)

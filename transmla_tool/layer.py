@@ -19,7 +19,7 @@ from .arch import AttentionGeometry
 from .calibrate import SourceLayers, chunks
 from .export import stock_attention
 from .methods import Method
-from .ops.basis import balance_rope_key, latent_rotation, rotate_latent
+from .ops.basis import ROPE_KEY_BALANCES, balance_rope_key, latent_rotation, rotate_latent
 from .ops.decouple import RopePlan, fold_pools, match_pools, plan_rope
 from .ops.factorize import factorize
 from .ops.kv_quant import cache_row_store
@@ -111,8 +111,9 @@ def convert_layer(layer, attn: GQAWeights, inputs: torch.Tensor, calib: LayerCal
             mla = replace(mla, q_bias=None, kv_a_bias=None, o_bias=None)
         # exact changes of basis that only change how the cache quantizes (ops/basis.py)
         mla = rotate_latent(mla, latent_rotation(latent_dim, method.latent_basis, ctx.seed + index))
-        if method.rope_key_balance == "energy":
-            mla = balance_rope_key(mla, calib.stats.x_moment.cpu())
+        if method.rope_key_balance != "none":
+            # the energies the cache will hold: the measured moment, not the shrunk one the factorization trusts
+            mla = balance_rope_key(mla, calib.stats.raw_moment.cpu(), ROPE_KEY_BALANCES[method.rope_key_balance])
     report = {"layer": index, "kept_energy": round(fact.kept_energy, 6), "kv_balance": round(fact.kv_balance, 6)}
     if method.refines:
         windows = calib.x_refine.shape[0]

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..io.staging import staged_directory
-from .model import stock_state_dict
+from ..io.stock import write_stock_checkpoint
 from .settings import HealSettings
 
 
@@ -22,33 +21,13 @@ def checkpoint_dtype(model_dir: str) -> torch.dtype:
 def export(natural_state: dict, config, settings: HealSettings, tokenizer, summary: dict,
            dtype: torch.dtype = torch.float32) -> None:
     """Write the stock DeepSeek-V3 checkpoint (atomically, like convert)."""
-    from transformers import DeepseekV3ForCausalLM, GenerationConfig
-
-    from ..model_card import write_model_card
-
-    state = stock_state_dict(natural_state, config)
-    config.dtype = dtype
-    with torch.device("meta"):
-        stock = DeepseekV3ForCausalLM(config)
-    stock.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    stock.config.use_cache = True
-    with staged_directory(settings.output, settings.overwrite) as staging:
-        stock.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        try:
-            GenerationConfig.from_pretrained(settings.model).save_pretrained(staging)
-        except OSError:
-            pass
-        source_summary = Path(settings.model) / "conversion.json"
-        conversion = json.loads(source_summary.read_text()) if source_summary.exists() else None
-        (Path(staging) / "healing.json").write_text(json.dumps(summary, indent=2, default=str))
-        if conversion is not None:
-            (Path(staging) / "conversion.json").write_text(json.dumps(conversion, indent=2))
-            section = (f"## Healing\n\nFine-tuned for {summary['steps']} steps ({summary['tokens']} tokens) on "
-                       f"`{settings.data}` with {'distillation from `' + settings.teacher + '`' if settings.teacher else 'the LM loss'}"
-                       f" (kd_weight {settings.kd_weight}, lm_weight {settings.lm_weight}), training "
-                       f"{settings.train} parameters; see healing.json." + (
-                           f" Trained through a {settings.cache_type} KV cache (quantization-aware healing): serve it "
-                           f"with that cache type (e.g. llama.cpp `-ctk {settings.cache_type} -ctv {settings.cache_type}`); "
-                           "an exact cache is not what it was fitted for." if settings.cache_type else ""))
-            write_model_card(Path(staging), conversion, stock.config, extra_sections=[section])
+    section = (f"## Healing\n\nFine-tuned for {summary['steps']} steps ({summary['tokens']} tokens) on "
+               f"`{settings.data}` with {'distillation from `' + settings.teacher + '`' if settings.teacher else 'the LM loss'}"
+               f" (kd_weight {settings.kd_weight}, lm_weight {settings.lm_weight}), training "
+               f"{settings.train} parameters; see healing.json." + (
+                   f" Trained through a {settings.cache_type} KV cache (quantization-aware healing): serve it "
+                   f"with that cache type (e.g. llama.cpp `-ctk {settings.cache_type} -ctv {settings.cache_type}`); "
+                   "an exact cache is not what it was fitted for." if settings.cache_type else ""))
+    write_stock_checkpoint(natural_state, config, output=settings.output, overwrite=settings.overwrite,
+                           tokenizer=tokenizer, source_dir=settings.model, dtype=dtype,
+                           records={"healing.json": summary}, sections=[section])

@@ -17,6 +17,9 @@ class LayerStats:
     x_moment: torch.Tensor  # (d+1, d+1) fp64: E[[x;1][x;1]^T] of the attention input
     distance_mass: torch.Tensor  # (H, L) fp64: attention probability mass at each query-key distance
     tokens: int = 0
+    # the moment as measured, before any shrinkage (x_moment is what the factorization trusts): the energy the
+    # cache will really hold is computed from this one
+    raw_moment: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, hidden: int, heads: int, seq_len: int, device=None) -> "LayerStats":
@@ -34,10 +37,9 @@ class LayerStats:
         self.tokens += flat.shape[0]
 
     def finalize(self, shrinkage: float = 0.0, target: str = "diag") -> "LayerStats":
-        moment = self.x_moment / max(self.tokens, 1)
-        if shrinkage:
-            moment = shrink_moment(moment, shrinkage, target)
-        return LayerStats(moment, self.distance_mass, self.tokens)
+        raw = self.x_moment / max(self.tokens, 1)
+        moment = shrink_moment(raw, shrinkage, target) if shrinkage else raw
+        return LayerStats(moment, self.distance_mass, self.tokens, raw_moment=raw)
 
 
 SHRINK_TARGETS = ("diag", "identity")

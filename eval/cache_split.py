@@ -1,0 +1,110 @@
+"""Where a quantized KV cache's cost comes from in a converted model: the latent or the rotary key.
+
+Torch simulation (ops/kv_quant.py reproduces llama.cpp's cache quantizers bit for bit): the checkpoint's
+perplexity on --data with every layer's cached row [latent | rotary key] read back through a cache type,
+then with only the latent or only the rotary key quantized, then with the rotary key balanced at each
+`--powers` p (pairs scaled by energy^-p on --calib-data, queries inversely: ops/basis.py) and the whole row
+quantized. Ratios are over the same checkpoint with an exact cache.
+
+    python eval/cache_split.py --model runs/heal-qat-docs-rope32/converted-192 \\
+        --data runs/heal-qat-docs-rope32/data/docs-heldout.jsonl \\
+        --calib-data runs/heal-qat-docs-rope32/data/calib.txt --cache-types q4_0,iq4_nl --powers 0.25,0.3,0.5
+
+Not an engine measurement: llama.cpp's perplexity (eval/frontier.py, eval/heal.py) is what the README leads
+with; this says why, in a minute on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from transmla_tool.data import token_windows
+from transmla_tool.heal.model import to_natural
+from transmla_tool.ops.basis import balance_rope_key
+from transmla_tool.ops.kv_quant import SIMULATED_CACHE_TYPES, quantize_dequantize
+from transmla_tool.rebalance import assign_weights, attention_input_moments
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a checkpoint written by convert or heal")
+    parser.add_argument("--data", required=True, help="text scored (keep it unlike the calibration text)")
+    parser.add_argument("--calib-data", required=True, help="text the rotary-key energies are measured on")
+    parser.add_argument("--cache-types", default="q4_0,iq4_nl")
+    parser.add_argument("--powers", default="0.3,0.5", help="rotary-key balance powers p to try (0 = as converted)")
+    parser.add_argument("--windows", type=int, default=8, help="scored windows of --seq-len tokens")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--output", default=None, help="also write the rows as JSON here")
+    args = parser.parse_args()
+    types = [t.strip() for t in args.cache_types.split(",") if t.strip()]
+    if not types or any(t not in SIMULATED_CACHE_TYPES for t in types):
+        raise SystemExit(f"--cache-types: choose from {', '.join(SIMULATED_CACHE_TYPES)}, got {args.cache_types!r}")
+    rows = split(args.model, args.data, args.calib_data, types, [float(p) for p in args.powers.split(",")],
+                 args.windows, args.seq_len)
+    for row in rows:
+        print(f"{row['cache']:8s} {row['quantized']:24s} perplexity {row['perplexity']:.3f}  ratio {row['ratio']:.4f}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=2))
+
+
+def split(model_dir: str, data: str, calib: str, types: list[str], powers: list[float], windows: int,
+          seq_len: int = 512) -> list[dict]:
+    """Rows {cache, quantized, perplexity, ratio}: the exact cache first, then per type the whole row, the latent
+    alone, the rotary key alone, and the whole row after balancing the rotary key at each power."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    scored = token_windows(data, tokenizer, seq_len, windows)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    to_natural(model)
+    attns = [layer.self_attn for layer in model.model.layers]
+    latent = attns[0].dims["latent_dim"]
+    moments = attention_input_moments(model, token_windows(calib, tokenizer, seq_len, 16), 4)
+    with torch.no_grad():
+        start = [a.weights().to(torch.float64) for a in attns]
+
+    def read_through(name: str, part: str):
+        def store(row):
+            back = quantize_dequantize(row, name)
+            if part == "latent":
+                return torch.cat([back[..., :latent], row[..., latent:]], -1)
+            if part == "rotary key":
+                return torch.cat([row[..., :latent], back[..., latent:]], -1)
+            return back
+        return store
+
+    def score(name: str | None, part: str = "all") -> float:
+        for a in attns:
+            a.cache_store = None if name is None else read_through(name, part)
+        nll = count = 0.0
+        with torch.no_grad():
+            for batch in scored.split(4):
+                loss = model(batch, labels=batch, use_cache=False).loss
+                nll, count = nll + float(loss) * batch[:, 1:].numel(), count + batch[:, 1:].numel()
+        return math.exp(nll / count)
+
+    exact = score(None)
+    rows = [{"cache": "exact", "quantized": "nothing", "perplexity": exact, "ratio": 1.0}]
+    for name in types:
+        for part in ("all", "latent", "rotary key"):
+            rows.append({"cache": name, "quantized": part, "perplexity": score(name, part)})
+        for power in powers:
+            if power == 0:
+                continue
+            for a, w, moment in zip(attns, start, moments):
+                assign_weights(a, balance_rope_key(w, moment, power))
+            rows.append({"cache": name, "quantized": f"all, rotary key p={power:g}", "perplexity": score(name)})
+            for a, w in zip(attns, start):
+                assign_weights(a, w)
+    for row in rows:
+        row["ratio"] = row["perplexity"] / exact
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Balance the rotary key of a checkpoint already converted (or healed) for a quantized KV cache.
+
+The rotary key is what a 4-bit cache hurts most (ops/basis.py): its pairs' energies differ by up to ~40x, so
+the loud ones set the scale of their 32-value block. `convert --set rope_key_balance=partial` scales the pairs
+while converting; this does the same to a finished stock checkpoint, so a conversion or a long healing run
+need not be repeated. Each layer's attention input is measured on a little calibration text (the energies
+the cache will hold), the rotary-key pairs are scaled by energy^-p and the queries inversely, and the
+checkpoint is written back (atomically). The model computes the same function, to rounding; only what its
+cache stores changes.
+
+Scaling is exact for any scales, so a checkpoint balanced before can be balanced again: the pairs' energies
+are measured as they are now, and "energy" (p = 1/2) leaves equal energies equal.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .convert import DEFAULT_CALIB_DATA
+from .data import token_windows
+from .devices import resolve_device
+from .errors import UserError
+from .io.staging import check_target
+from .ops.basis import ROPE_KEY_BALANCES, balance_rope_key, rope_pair_energy
+
+
+@dataclass
+class RebalanceSettings:
+    model: str  # a stock checkpoint written by convert or heal
+    output: str
+    balance: str = "partial"
+    calib_data: str = DEFAULT_CALIB_DATA  # convert's: web text, code and dialogue from the hub
+    calib_samples: int = 16
+    calib_seq_len: int = 512
+    text_field: str = "text"
+    batch_size: int = 4
+    device: str = "auto"
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        if self.balance not in ROPE_KEY_BALANCES or self.balance == "none":
+            raise UserError(f"--balance must be one of {', '.join(b for b in ROPE_KEY_BALANCES if b != 'none')}, "
+                            f"got {self.balance!r}")
+        if min(self.calib_samples, self.calib_seq_len, self.batch_size) < 1:
+            raise UserError("--calib-samples, --calib-seq-len and --batch-size must be >= 1")
+        if not (Path(self.model) / "conversion.json").exists():
+            raise UserError(f"{self.model} has no conversion.json: rebalance reads checkpoints written by "
+                            "transmla-tool convert or heal (their latent norm is linearized); convert the model first")
+        check_target(self.output, self.overwrite)
+
+
+def rebalance(settings: RebalanceSettings) -> dict:
+    """Write settings.model with its rotary keys balanced to settings.output; returns what was done."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .heal.export import checkpoint_dtype
+    from .heal.model import to_natural
+    from .io.stock import write_stock_checkpoint
+
+    settings.validate()
+    device = resolve_device(settings.device)
+    dtype = checkpoint_dtype(settings.model)
+    tokenizer = AutoTokenizer.from_pretrained(settings.model)
+    model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=torch.float32).to(device).eval()
+    to_natural(model)
+    calib = settings.calib_data
+    windows = token_windows(calib, tokenizer, settings.calib_seq_len, settings.calib_samples,
+                            text_field=settings.text_field)
+    moments = attention_input_moments(model, windows.to(device), settings.batch_size)
+    power = ROPE_KEY_BALANCES[settings.balance]
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        with torch.no_grad():
+            before = attn.weights().to(torch.float64, "cpu")
+        after = balance_rope_key(before, moments[i], power)
+        assign_weights(attn, after)
+        energy = rope_pair_energy(before, moments[i])
+        layers.append({"layer": i, "pair_energy_spread_before": round(float(energy.max() / energy.min()), 3),
+                       "pair_energy_spread_after": round(float(_spread(after, moments[i])), 3)})
+    record = {"settings": asdict(settings), "power": power, "calib_tokens": int(windows.numel()), "layers": layers}
+    section = (f"## Rotary key balanced for a quantized cache\n\nThe rotary-key pairs were scaled by energy^-{power} "
+               f"(`{settings.balance}`, measured on {windows.numel()} tokens of `{calib}`) and the queries inversely: "
+               "the same model, whose cached rotary key quantizes better (q4_0, iq4_nl). See rebalance.json.")
+    natural = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    write_stock_checkpoint(natural, model.config, output=settings.output, overwrite=settings.overwrite,
+                           tokenizer=tokenizer, source_dir=settings.model, dtype=dtype,
+                           records={"rebalance.json": record}, sections=[section])
+    return record
+
+
+@torch.no_grad()
+def attention_input_moments(model, windows: torch.Tensor, batch: int) -> list[torch.Tensor]:
+    """Per layer, the augmented moment E[[x;1][x;1]^T] (fp64, CPU) of the attention's normalized input."""
+    sums: dict[int, torch.Tensor] = {}
+    tokens = 0
+
+    def hook(index):
+        def grab(module, args, kwargs):
+            x = kwargs.get("hidden_states", args[0] if args else None)
+            flat = x.reshape(-1, x.shape[-1]).float()
+            aug = torch.cat([flat, flat.new_ones(flat.shape[0], 1)], dim=1)
+            sums[index] = sums.get(index, 0) + (aug.T @ aug).double().cpu()
+        return grab
+
+    handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
+               for i, layer in enumerate(model.model.layers)]
+    try:
+        for rows in windows.split(batch):
+            model(rows, use_cache=False)
+            tokens += rows.numel()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [sums[i] / tokens for i in range(len(model.model.layers))]
+
+
+def assign_weights(attn, w) -> None:
+    """Copy the balanced natural weights into a NaturalAttention (only the rotary rows and the queries change)."""
+    attn.kv_a_proj.weight.data.copy_(w.kv_a)
+    if attn.kv_a_proj.bias is not None:
+        attn.kv_a_proj.bias.data.copy_(w.kv_a_bias)
+    if attn.q_b_proj is not None:
+        attn.q_b_proj.weight.data.copy_(w.q_b)
+    else:
+        attn.q_proj.weight.data.copy_(w.q)
+        if attn.q_proj.bias is not None:
+            attn.q_proj.bias.data.copy_(w.q_bias)
+
+
+def _spread(w, moment) -> float:
+    energy = rope_pair_energy(w, moment)
+    return float(energy.max() / energy.min())
+
+
+def read_record(model_dir: str) -> dict | None:
+    path = Path(model_dir) / "rebalance.json"
+    return json.loads(path.read_text()) if path.exists() else None
