@@ -14,7 +14,6 @@ are measured as they are now, and "energy" (p = 1/2) leaves equal energies equal
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -136,7 +135,3 @@ def _spread(w, moment) -> float:
     energy = rope_pair_energy(w, moment)
     return float(energy.max() / energy.min())
 
-
-def read_record(model_dir: str) -> dict | None:
-    path = Path(model_dir) / "rebalance.json"
-    return json.loads(path.read_text()) if path.exists() else None
