@@ -78,9 +78,8 @@ def rebalance(settings: RebalanceSettings) -> dict:
             before = attn.weights().to(torch.float64, "cpu")
         after = balance_rope_key(before, moments[i], power)
         assign_weights(attn, after)
-        energy = rope_pair_energy(before, moments[i])
-        layers.append({"layer": i, "pair_energy_spread_before": round(float(energy.max() / energy.min()), 3),
-                       "pair_energy_spread_after": round(float(_spread(after, moments[i])), 3)})
+        layers.append({"layer": i, "pair_energy_spread_before": round(_spread(before, moments[i]), 3),
+                       "pair_energy_spread_after": round(_spread(after, moments[i]), 3)})
     record = {"settings": asdict(settings), "power": power, "calib_tokens": int(windows.numel()), "layers": layers}
     section = (f"## Rotary key balanced for a quantized cache\n\nThe rotary-key pairs were scaled by energy^-{power} "
                f"(`{settings.balance}`, measured on {windows.numel()} tokens of `{calib}`) and the queries inversely: "
