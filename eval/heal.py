@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--train", default="attention")
     parser.add_argument("--lm-weight", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="healing seed (the training text's shuffle order): another seed is a replicate run")
     parser.add_argument("--cache-type", default=None,
                         help="quantization-aware healing through this llama.cpp cache type (heal --cache-type); the "
                         "held-out perplexities logged during healing then read the same simulated cache")
@@ -150,13 +152,15 @@ def main() -> None:
     summary = heal(HealSettings(
         model=str(converted), output=str(healed), data=data, teacher=model_dir, teacher_gguf_file=gguf,
         max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
-        train=args.train, lm_weight=args.lm_weight, cache_type=args.cache_type, eval_data=str(heldout),
+        train=args.train, lm_weight=args.lm_weight, cache_type=args.cache_type, eval_data=str(heldout), seed=args.seed,
         eval_every=args.eval_every,
         eval_windows=args.eval_windows, save_every=args.save_every, resume=args.resume, overwrite=not args.resume,
     ))
     rows = [json.loads(line) for line in (Path(f"{healed}.ckpt") / "log.jsonl").read_text().splitlines()]
     scored = f"held-out {heldout.name}" if args.data.startswith("mix-") else "held-out news"
     setup = f"{args.data} ({scored}), lr {args.lr:g}, train {args.train}"
+    if args.seed:
+        setup += f", seed {args.seed}"
     if args.cache_type:
         setup += (f", trained through a simulated {args.cache_type} KV cache (the perplexities below read it too; "
                   "the original's is exact)")
@@ -198,7 +202,8 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
     with tempfile.TemporaryDirectory() as tmp:
         scored = score_in_llamacpp(model_dir, gguf, checkpoints, text, 512, chunks, cache_types, cache_types, tmp)
     earlier = json.loads((out / "frontier.json").read_text()) if (out / "frontier.json").exists() else {}
-    if earlier.get("chunks") == chunks:  # keep the cache types scored before (a rerun adds types, it does not drop them)
+    # keep the cache types scored before (a rerun adds types, it does not drop them)
+    if earlier.get("chunks") == chunks:
         for key, types in scored.items():
             earlier["scored"].setdefault(key, {}).update(types)
         scored = earlier["scored"]
@@ -220,8 +225,8 @@ def write_report(out: Path, rows: list[dict], original: float, summary: dict, se
     speed = (f"{summary['tokens_per_s']:.0f} tokens/s steady state" if summary.get("tokens_per_s")
              else "speed not measured (no timed step: each process's first step is not timed)")
     lines = [
-        f"# Healing SmolLM2-135M converted at {size} of 384 cache values (original held-out perplexity "
-        f"{original:.3f})",
+        (f"# Healing SmolLM2-135M converted at {size} of 384 cache values (original held-out perplexity "
+         f"{original:.3f})"),
         "",
         (f"Training text {setup}; {summary['tokens']} training tokens, {speed} "
          f"({summary['processes']} process(es), mixed precision {summary['mixed_precision']})."),
