@@ -353,3 +353,53 @@ def test_families_benchmark_runs_and_divides_by_the_control(tmp_path):
     worst = {f: max(r["ratio"] for r in rows if r["family"] == f and r["cache"] == "half" and r["domain"] != "news")
              for f in ("llama", "qwen3")}
     assert f"= {worst['qwen3']:.3f} / {worst['llama']:.3f} = {worst['qwen3'] / worst['llama']:.3f}x" in run.stdout
+
+
+def test_refine_ablation_refuses_an_unknown_setting_before_any_work(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "eval" / "refine_ablation.py"), "--output-dir", str(tmp_path),
+                          "--configs", "default;fast=refine_stepz=5"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "'refine_stepz' is not one of refine_steps" in run.stderr.strip().splitlines()[-1], run.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+
+
+def test_refine_ablation_scores_each_setting_on_every_domain(tmp_path, monkeypatch):
+    # a captured problem whose targets come from a known layer and whose start is that layer perturbed:
+    # refinement must bring every domain's error below the start's, and a rerun must not redo a row
+    import json
+
+    import torch
+
+    from transmla_tool.ops.mla import MLAWeights, mla_attention
+
+    torch.manual_seed(0)
+    d, heads, dn, dr, dv, r, length = 16, 2, 4, 4, 4, 6, 12
+    true = MLAWeights(q=torch.randn(heads * (dn + dr), d) / 4, kv_a=torch.randn(r + dr, d) / 4,
+                      kv_b=torch.randn(heads * (dn + dv), r) / 2, o=torch.randn(d, heads * dv) / 2,
+                      num_heads=heads, latent_dim=r, rope_dim=dr, nope_dim=dn, v_dim=dv)
+    start = MLAWeights(**{**true.__dict__, "kv_b": true.kv_b + 0.3 * torch.randn_like(true.kv_b)})
+    angles = torch.arange(length)[:, None] * torch.tensor([1.0, 0.1])[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    x = torch.randn(10, length, d)
+    with torch.no_grad():
+        y = mla_attention(x, true, cos, sin)
+    kwargs = {"steps": 600, "lr": 4e-3, "batch": 4, "queries": 128, "holdout": 2, "seed": 7, "anchor": 0.0,
+              "noise": 0.0, "value_solve": 0}
+    torch.save({"mla": start, "x": x, "y": y, "cos": cos, "sin": sin, "kwargs": kwargs}, tmp_path / "L7.pt")
+    for domain in ("forum", "code", "docs"):
+        other = torch.randn(3, length, d)
+        with torch.no_grad():
+            torch.save({"x": other, "y": mla_attention(other, true, cos, sin)}, tmp_path / f"L7-{domain}.pt")
+    module = _eval_module("refine_ablation")
+    argv = ["refine_ablation.py", "--output-dir", str(tmp_path), "--layers", "7",
+            "--configs", "short=refine_steps=60,refine_batch=2,refine_lr=1e-2"]
+    monkeypatch.setattr(sys, "argv", argv)
+    module.main()
+    rows = {r["config"]: r for r in map(json.loads, (tmp_path / "ablation.jsonl").read_text().splitlines())}
+    assert set(rows) == {"closed form", "short"}
+    assert rows["short"]["overrides"] == {"steps": 60, "batch": 2, "lr": 1e-2}
+    for domain in ("news", "forum", "code", "docs"):
+        assert rows["short"][domain] < 0.5 * rows["closed form"][domain], (domain, rows)
+    assert "| 7 | short |" in (tmp_path / "ablation.md").read_text()
+    module.main()  # resumed: nothing redone
+    assert len((tmp_path / "ablation.jsonl").read_text().splitlines()) == 2
