@@ -119,6 +119,12 @@ def main() -> None:
     layers = sorted({int(i) for i in args.layers.split(",")})
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    made = {"latent_dim": args.latent_dim, "rope_dim": args.rope_dim, "calib_samples": args.calib_samples}
+    record = out / "capture.json"
+    if record.exists() and json.loads(record.read_text()) != made:
+        raise SystemExit(f"{out} holds problems captured with {record.read_text().strip()}, not {json.dumps(made)}: "
+                         "use another --output-dir")
+    record.write_text(json.dumps(made))
     missing = {i for i in layers if not (out / f"L{i}.pt").exists()
                or any(not (out / f"L{i}-{d}.pt").exists() for d in DOMAINS if d != "news")}
     if missing:

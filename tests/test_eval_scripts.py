@@ -403,3 +403,6 @@ def test_refine_ablation_scores_each_setting_on_every_domain(tmp_path, monkeypat
     assert "| 7 | short |" in (tmp_path / "ablation.md").read_text()
     module.main()  # resumed: nothing redone
     assert len((tmp_path / "ablation.jsonl").read_text().splitlines()) == 2
+    monkeypatch.setattr(sys, "argv", [*argv, "--latent-dim", "64"])
+    with pytest.raises(SystemExit, match="captured with"):
+        module.main()  # problems captured at another size are never reused
