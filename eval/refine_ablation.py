@@ -35,6 +35,7 @@ import transmla_tool.layer as layer_module  # noqa: E402
 from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
 from transmla_tool.convert import ConvertSettings, convert_many  # noqa: E402
 from transmla_tool.data import token_windows  # noqa: E402
+from transmla_tool.errors import UserError  # noqa: E402
 from transmla_tool.methods import resolve_method  # noqa: E402
 from transmla_tool.ops.refine import evaluate, refine  # noqa: E402
 
@@ -42,16 +43,21 @@ REFINE_FIELDS = {"refine_steps": "steps", "refine_lr": "lr", "refine_batch": "ba
 HELDOUT_WINDOWS = 16
 
 
-def parse(text: str) -> tuple[str, dict]:
-    """NAME[=field=value,...] -> (name, refine() keyword overrides); unknown fields stop the run."""
+def parse(text: str) -> tuple[str, dict, dict]:
+    """NAME[=field=value,...] -> (name, the settings given, every refine() keyword of the default method with them);
+    a field other than REFINE_FIELDS, or a value the Method refuses, stops the run."""
     name, _, sets = text.partition("=")
-    kwargs = {}
-    for item in filter(None, sets.split(",")):
-        key, _, value = item.partition("=")
+    overrides = [item for item in sets.split(",") if item]
+    fields = [item.partition("=")[0] for item in overrides]
+    for key in fields:
         if key not in REFINE_FIELDS:
             raise SystemExit(f"--configs {text!r}: {key!r} is not one of {', '.join(REFINE_FIELDS)}")
-        kwargs[REFINE_FIELDS[key]] = float(value) if key == "refine_lr" else int(value)
-    return name.strip(), kwargs
+    try:
+        method = resolve_method("default", overrides)
+    except UserError as exc:
+        raise SystemExit(f"--configs {text!r}: {exc}") from None
+    given = {REFINE_FIELDS[key]: getattr(method, key) for key in fields}
+    return name.strip(), given, {arg: getattr(method, key) for key, arg in REFINE_FIELDS.items()}
 
 
 def capture(out: Path, layers: set[int], latent_dim: int, rope_dim: int, calib_samples: int) -> None:
@@ -133,17 +139,16 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     results = out / "ablation.jsonl"
     done = {(r["layer"], r["config"]) for r in _read(results)}
-    default = resolve_method("default")
     for i in layers:
         problem = torch.load(out / f"L{i}.pt", weights_only=False)
         heldout = {d: torch.load(out / f"L{i}-{d}.pt") for d in DOMAINS if d != "news"}
         start = problem["mla"].to(torch.float32)
         if (i, "closed form") not in done:
             _append(results, {"layer": i, "config": "closed form", "seconds": 0.0, **score(start, problem, heldout)})
-        for name, overrides in configs:
+        for name, overrides, settings in configs:
             if (i, name) in done:
                 continue
-            kwargs = {**problem["kwargs"], **{v: getattr(default, k) for k, v in REFINE_FIELDS.items()}, **overrides}
+            kwargs = {**problem["kwargs"], **settings}
             began = time.time()
             refined, _ = refine(start, problem["x"], problem["y"], problem["cos"], problem["sin"], **kwargs)
             seconds = round(time.time() - began, 2)
