@@ -113,7 +113,8 @@ def test_cache_facing_bases_keep_the_model(make_model, convert_tiny, balance):
 
     src = make_model("llama", kv_heads=2)
     ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
-    plain_dir, _, plain = convert_tiny(src, latent_dim=12, rope_dim=8, method=PRESETS["closed-form"])
+    plain_method = dataclasses.replace(PRESETS["closed-form"], latent_basis="pca", rope_key_balance="none")
+    plain_dir, _, plain = convert_tiny(src, latent_dim=12, rope_dim=8, method=plain_method)
     method = dataclasses.replace(PRESETS["closed-form"], latent_basis="hadamard", rope_key_balance=balance)
     turned_dir, summary, turned = convert_tiny(src, latent_dim=12, rope_dim=8, method=method)
     assert summary["settings"]["method"]["rope_key_balance"] == balance
@@ -125,6 +126,31 @@ def test_cache_facing_bases_keep_the_model(make_model, convert_tiny, balance):
         assert torch.allclose(scale[:, 0], scale[:, 1], rtol=1e-6) and scale.std() > 1e-3
         energy = before.pow(2).sum(1).view(-1, 2).sum(1)  # louder pairs (by weight norm) are scaled down
         assert torch.corrcoef(torch.stack([energy.log(), scale[:, 0].log()]))[0, 1] < 0
+
+
+def test_cache_bases_follow_the_fit(make_model, convert_tiny):
+    """The default's latent rotation and rotary-key balance are applied after the refinement, so a refined
+    conversion computes what it computes in the plain basis (the fit never sees the basis; Adam is not
+    rotation-invariant, so applying them first would change the refined model). A fit through a quantized cache
+    (refine_cache) must read the basis its cache will hold: there they come first and the model differs."""
+    from transmla_tool.methods import PRESETS
+
+    src = make_model("llama", kv_heads=2)
+    ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
+    default = dataclasses.replace(PRESETS["default"], refine_steps=8)
+    assert (default.latent_basis, default.rope_key_balance) == ("hadamard", "partial")
+    plain = dataclasses.replace(default, latent_basis="pca", rope_key_balance="none")
+    results = {}
+    for name, method in {"default": default, "plain": plain,
+                         "default q4_0": dataclasses.replace(default, refine_cache="q4_0"),
+                         "plain q4_0": dataclasses.replace(plain, refine_cache="q4_0")}.items():
+        out, summary, natural = convert_tiny(src, latent_dim=24, rope_dim=8, method=method)
+        assert all(r["refine_loss_after"] < r["refine_loss_before"] for r in summary["layers"]), name
+        results[name] = (logits(out, ids), natural)
+    assert rel_err(results["default"][0], results["plain"][0]) < 1e-5
+    for i in results["plain"][1]:  # the same function in another basis: the stored latent rows differ
+        assert not torch.allclose(results["default"][1][i].kv_a, results["plain"][1][i].kv_a, atol=1e-3)
+    assert rel_err(results["default q4_0"][0], results["plain q4_0"][0]) > 1e-3
 
 
 def test_bit_identical_outputs(make_model, convert_tiny, tmp_path):

@@ -1,4 +1,4 @@
-"""One decoder layer's conversion: statistics -> rope plan -> factorize -> basis -> refine -> stock tensors -> verify.
+"""One decoder layer's conversion: statistics -> rope plan -> factorize -> refine -> cache basis -> stock tensors -> verify.
 
 `LayerContext` is what every layer of a conversion shares (the method, the rotary tables of source and
 target, which source frequencies each rotary slot carries); `calibrate_layer` reads what the closed form and
@@ -19,7 +19,7 @@ from .arch import AttentionGeometry
 from .calibrate import SourceLayers, chunks
 from .export import stock_attention
 from .methods import Method
-from .ops.basis import ROPE_KEY_BALANCES, balance_rope_key, latent_rotation, rotate_latent
+from .ops.basis import for_quantized_cache
 from .ops.decouple import RopePlan, fold_pools, match_pools, plan_rope
 from .ops.factorize import factorize
 from .ops.kv_quant import cache_row_store
@@ -109,11 +109,18 @@ def convert_layer(layer, attn: GQAWeights, inputs: torch.Tensor, calib: LayerCal
         mla = mla.to(torch.float64, "cpu")
         if not config.attention_bias:  # a bias-free output: refinement (if on) absorbs the biases
             mla = replace(mla, q_bias=None, kv_a_bias=None, o_bias=None)
-        # exact changes of basis that only change how the cache quantizes (ops/basis.py)
-        mla = rotate_latent(mla, latent_rotation(latent_dim, method.latent_basis, ctx.seed + index))
-        if method.rope_key_balance != "none":
-            # the energies the cache will hold: the measured moment, not the shrunk one the factorization trusts
-            mla = balance_rope_key(mla, calib.stats.raw_moment.cpu(), ROPE_KEY_BALANCES[method.rope_key_balance])
+    # Exact changes of basis that only change how the cache quantizes (ops/basis.py), on the energies the cache
+    # will hold (the measured moment, not the shrunk one the factorization trusts). They come after the fit, so
+    # the refined function is the one an exact cache measured, unless the fit reads its keys through a quantized
+    # cache (refine_cache): then it must see the basis that cache will hold.
+    fit_through_cache = method.refine_cache != "none"
+
+    def cache_basis(weights: MLAWeights) -> MLAWeights:
+        return for_quantized_cache(weights, method.latent_basis, method.rope_key_balance, calib.stats.raw_moment,
+                                   ctx.seed + index)
+
+    if fit_through_cache:
+        mla = cache_basis(mla)
     report = {"layer": index, "kept_energy": round(fact.kept_energy, 6), "kv_balance": round(fact.kv_balance, 6)}
     if method.refines:
         windows = calib.x_refine.shape[0]
@@ -129,6 +136,8 @@ def convert_layer(layer, attn: GQAWeights, inputs: torch.Tensor, calib: LayerCal
                 value_solve=method.refine_value_solve)
         report.update(refine_loss_before=round(ref.loss_before, 6), refine_loss_after=round(ref.loss_after, 6),
                       refine_seconds=round(ref.seconds, 2))
+    if not fit_through_cache:
+        mla = cache_basis(mla)
     mla = pad_latent(mla, config.kv_lora_rank)
     tensors = stock_attention(mla, layer.input_layernorm.weight.cpu(), q_lora=config.q_lora_rank is not None,
                               attention_bias=config.attention_bias)

@@ -54,11 +54,13 @@ class Method:
     # Basis of the latent (exact: any orthogonal rotation folds into kv_a and kv_b; ops/basis.py): "pca" (the
     # closed form's order, energy piled into the first channels), "hadamard" (randomized Hadamard: every
     # 32-value block of a quantized cache gets loud and quiet channels alike), "random" (a seeded rotation).
-    latent_basis: str = "pca"
+    # Both bases are applied after the refinement (before it when refine_cache fits through a quantized cache), so
+    # they change only how the cache quantizes, never what the model computes: on by default.
+    latent_basis: str = "hadamard"
     # Rotary-key pairs scaled by energy^-p, queries inversely (exact; ops/basis.py): "none", "energy" (p = 1/2,
     # equal energy) or "partial" (p = 0.3). The rotary key is what a 4-bit cache hurts most; on SmolLM2 160 + 32
     # (torch simulation, docs) "partial" cut a q4_0 cache's cost from 1.36x to 1.20x, "energy" to 1.28x.
-    rope_key_balance: str = "none"
+    rope_key_balance: str = "partial"
     # Cache type the layer-local refinement fits through (quantization-aware, straight-through gradient):
     # "none" (exact cache), or a llama.cpp type (f16, q8_0, q5_0, q5_1, q4_0, q4_1; ops/kv_quant.py).
     refine_cache: str = "none"
@@ -165,6 +167,8 @@ PRESETS = {
         refine_steps=0,
         calib_inputs="source",
         moment_shrinkage=0.0,
+        latent_basis="pca",  # the published recipe's tensors as it writes them
+        rope_key_balance="none",
     ),
     # our closed form alone, for ablations and quick conversions (unshrunk, as measured before shrinkage)
     "closed-form": Method(refine_steps=0, moment_shrinkage=0.0),

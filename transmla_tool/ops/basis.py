@@ -104,3 +104,13 @@ def balance_rope_key(w: MLAWeights, x_moment: torch.Tensor, power: float = 0.5) 
         return replace(w, kv_a=kv_a, kv_a_bias=bias, q_b=w.q_b * q_scale[:, None])
     q_bias = None if w.q_bias is None else w.q_bias * q_scale
     return replace(w, kv_a=kv_a, kv_a_bias=bias, q=w.q * q_scale[:, None], q_bias=q_bias)
+
+
+def for_quantized_cache(w: MLAWeights, latent_basis: str, rope_key_balance: str, x_moment: torch.Tensor,
+                        seed: int) -> MLAWeights:
+    """The layer with the latent rotation (`latent_basis`) and the rotary-key balance (`rope_key_balance`, energies
+    from the augmented input moment `x_moment`) a Method asks for, in fp64 on the CPU: the same function, a cache
+    that quantizes better."""
+    w = rotate_latent(w.to(torch.float64, "cpu"), latent_rotation(w.latent_dim, latent_basis, seed))
+    power = ROPE_KEY_BALANCES[rope_key_balance]
+    return balance_rope_key(w, x_moment.cpu(), power) if power else w
