@@ -75,8 +75,9 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=25)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--rebalance", default=None, choices=["partial", "energy"],
-                        help="also place the conversion and the healed model with their rotary keys balanced after the "
-                        "fact (`transmla-tool rebalance`, measured on the run's calibration text), as extra rows")
+                        help="also place the conversion and the healed model with their rotary keys brought to this "
+                        "balance after the fact (`transmla-tool rebalance`, measured on the run's calibration text), as "
+                        "extra rows (the same model again when the conversion already carries it, as the default does)")
     parser.add_argument("--frontier-only", action="store_true",
                         help="score a finished run's conversion and healed model under --cache-types again (e.g. a "
                         "cache type added later), without converting or healing")

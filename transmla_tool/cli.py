@@ -146,7 +146,8 @@ def cmd_rebalance(args) -> int:
         batch_size=args.batch_size, device=args.device, overwrite=args.overwrite,
     ))
     spread = [(layer["pair_energy_spread_before"], layer["pair_energy_spread_after"]) for layer in record["layers"]]
-    print(f"wrote {args.output}: rotary-key pairs scaled by energy^-{record['power']} ({record['calib_tokens']} "
+    print(f"wrote {args.output}: rotary key carries energy^-{record['power']} of its unbalanced pairs (scaled by "
+          f"energy^-{record['applied_power']:.3g}; {record['calib_tokens']} "
           f"calibration tokens); largest pair-energy spread {max(s[0] for s in spread):.1f}x -> "
           f"{max(s[1] for s in spread):.1f}x")
     return 0

@@ -8,12 +8,17 @@ the cache will hold), the rotary-key pairs are scaled by energy^-p and the queri
 checkpoint is written back (atomically). The model computes the same function, to rounding; only what its
 cache stores changes.
 
-Scaling is exact for any scales, so a checkpoint balanced before can be balanced again: the pairs' energies
-are measured as they are now, and "energy" (p = 1/2) leaves equal energies equal.
+`--balance` names the balance the checkpoint should *carry*, relative to its unbalanced rotary key: a checkpoint
+converted with the default (`rope_key_balance=partial`) already carries `partial`, so rebalancing it (or the model
+healed from it) to `partial` changes nothing, where applying energy^-0.3 again would over-balance it. What a
+checkpoint carries is read from its conversion.json and from the rebalance.json of an earlier rebalance; the pairs
+are then scaled by energy^-q with q chosen so that energy_now^(1 - 2q) = energy_unbalanced^(1 - 2p).
+Scaling is exact for any scales, and "energy" (p = 1/2) makes the pairs' energies equal whatever they carried.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +29,7 @@ from .data import token_windows
 from .devices import resolve_device
 from .errors import UserError
 from .io.staging import check_target
+from .methods import recorded_method
 from .ops.basis import ROPE_KEY_BALANCES, balance_rope_key, rope_pair_energy
 
 
@@ -49,6 +55,7 @@ class RebalanceSettings:
         if not (Path(self.model) / "conversion.json").exists():
             raise UserError(f"{self.model} has no conversion.json: rebalance reads checkpoints written by "
                             "transmla-tool convert or heal (their latent norm is linearized); convert the model first")
+        relative_power(carried_power(self.model), ROPE_KEY_BALANCES[self.balance])  # refuses what cannot be reached
         check_target(self.output, self.overwrite)
 
 
@@ -71,24 +78,54 @@ def rebalance(settings: RebalanceSettings) -> dict:
                             text_field=settings.text_field)
     moments = attention_input_moments(model, windows.to(device), settings.batch_size)
     power = ROPE_KEY_BALANCES[settings.balance]
+    carried = carried_power(settings.model)
+    applied = relative_power(carried, power)
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         with torch.no_grad():
             before = attn.weights().to(torch.float64, "cpu")
-        after = balance_rope_key(before, moments[i], power)
+        after = balance_rope_key(before, moments[i], applied)
         assign_weights(attn, after)
         layers.append({"layer": i, "pair_energy_spread_before": round(_spread(before, moments[i]), 3),
                        "pair_energy_spread_after": round(_spread(after, moments[i]), 3)})
-    record = {"settings": asdict(settings), "power": power, "calib_tokens": int(windows.numel()), "layers": layers}
-    section = (f"## Rotary key balanced for a quantized cache\n\nThe rotary-key pairs were scaled by energy^-{power} "
-               f"(`{settings.balance}`, measured on {windows.numel()} tokens of `{calib}`) and the queries inversely: "
+    record = {"settings": asdict(settings), "power": power, "carried_power_before": carried,
+              "applied_power": round(applied, 6), "carried_power": power, "calib_tokens": int(windows.numel()),
+              "layers": layers}
+    section = (f"## Rotary key balanced for a quantized cache\n\nThe rotary key now carries `{settings.balance}` "
+               f"(energy^-{power} of its unbalanced pairs; it carried p = {carried} before): its pairs were scaled by "
+               f"energy^-{applied:.3g}, measured on {windows.numel()} tokens of `{calib}`, and the queries inversely: "
                "the same model, whose cached rotary key quantizes better (q4_0, iq4_nl). See rebalance.json.")
     natural = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     write_stock_checkpoint(natural, model.config, output=settings.output, overwrite=settings.overwrite,
                            tokenizer=tokenizer, source_dir=settings.model, dtype=dtype,
                            records={"rebalance.json": record}, sections=[section])
     return record
+
+
+def carried_power(model_dir) -> float:
+    """The balance p (pairs scaled by energy^-p of the unbalanced key) that the checkpoint's rotary key carries:
+    the last rebalance's, else its conversion's `rope_key_balance` (none for conversions that predate it)."""
+    folder = Path(model_dir)
+    base = ROPE_KEY_BALANCES[recorded_method(
+        json.loads((folder / "conversion.json").read_text()).get("settings", {}).get("method", {}))["rope_key_balance"]]
+    if not (folder / "rebalance.json").exists():
+        return base
+    record = json.loads((folder / "rebalance.json").read_text())
+    if "carried_power" in record:
+        return record["carried_power"]
+    return 0.5 * (1 - (1 - 2 * base) * (1 - 2 * record["power"]))  # written before rebalance.json recorded it
+
+
+def relative_power(carried: float, target: float) -> float:
+    """q such that energy_now^-q takes a key carrying `carried` to one carrying `target` (energy_now =
+    energy_unbalanced^(1 - 2 carried))."""
+    if carried >= 0.5 and target < 0.5:
+        raise UserError("this checkpoint's rotary-key pairs were balanced to equal energies (energy); the spread they "
+                        "came from is gone, so it cannot carry a partial balance: rebalance the checkpoint it was made from")
+    if carried >= 0.5:
+        return 0.5
+    return 0.5 * (1 - (1 - 2 * target) / (1 - 2 * carried))
 
 
 @torch.no_grad()
