@@ -4,7 +4,9 @@ Torch simulation (ops/kv_quant.py reproduces llama.cpp's cache quantizers bit fo
 perplexity on --data with every layer's cached row [latent | rotary key] read back through a cache type,
 then with only the latent or only the rotary key quantized, then with the rotary key balanced at each
 `--powers` p (pairs scaled by energy^-p on --calib-data, queries inversely: ops/basis.py) and the whole row
-quantized. Ratios are over the same checkpoint with an exact cache.
+quantized. Ratios are over the same checkpoint with an exact cache. p scales the rotary key as the checkpoint
+holds it: one converted with today's default already carries p = 0.3 (`rope_key_balance=partial`), so its p = 0
+rows are that balance and its p > 0 rows balance further.
 
     python eval/cache_split.py --model runs/heal-qat-docs-rope32/converted-192 \\
         --data runs/heal-qat-docs-rope32/data/docs-heldout.jsonl \\

@@ -11,7 +11,7 @@ the domains the calibration never saw.
 
     python eval/frontier.py --output-dir runs/frontier                          # original + default
     python eval/frontier.py --output-dir runs/frontier --budgets 192,320 \\
-        --configs "hadamard=default:latent_basis=hadamard"                      # more rows, same file
+        --configs "pca=default:latent_basis=pca,rope_key_balance=none"          # more rows, same file
     python eval/frontier.py --output-dir runs/frontier --table-only --max-cache-bytes 216
 
 Resumable: rows go to <output-dir>/frontier.jsonl keyed by (model, calibration, config, budget, cache type,
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from crossdomain import calib_spec, reuse_splits  # noqa: E402
-from quality import _append, _read, check_resumable, made_with, parse_config  # noqa: E402
+from quality import _append, _read, check_resumable, made_with, parse_config, remaking_overrides  # noqa: E402
 
 from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
 from transmla_tool.convert import ConvertSettings, convert_many  # noqa: E402
@@ -281,7 +281,8 @@ def commands(rows: list[dict], out: Path) -> list[str]:
         if model == "original":
             lines.append(f"{base} --configs '' --original-cache-types {caches}")
             continue
-        spec = r["preset"] + (":" + ",".join(r["overrides"]) if r.get("overrides") else "")
+        sets = remaking_overrides(r["preset"], r.get("overrides") or [], r.get("method"))
+        spec = r["preset"] + (":" + ",".join(sets) if sets else "")
         budgets = ",".join(str(b) for b in sorted(group["budgets"]))
         samples = f" --calib-samples {r['calib_samples']}" if r.get("calib_samples") != ConvertSettings.calib_samples else ""
         samples += f" --rope-dim {r['rope_dim']}" if r.get("rope_dim", 64) != 64 else ""

@@ -140,6 +140,15 @@ def made_with(method, args) -> dict:
     return {"method": method.as_dict(), "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len}
 
 
+def remaking_overrides(preset: str, overrides: list[str], recorded: dict | None) -> list[str]:
+    """The overrides that remake a row's recorded method today: its own, then every setting whose default has moved
+    since the row was made (a rerun command printed from old rows must not silently pick up the new default)."""
+    if recorded is None:
+        return list(overrides)
+    now, then = resolve_method(preset, overrides).as_dict(), recorded_method(recorded)
+    return [*overrides, *(f"{k}={then[k]}" for k, v in now.items() if k in then and then[k] != v)]
+
+
 def check_resumable(rows: list[dict], results: Path, where: dict, made: dict) -> None:
     """A rerun skips the rows it finds by config name: refuse when the rows matching `where` were made with
     another method or calibration size (`default` before the default changed, or before rows recorded it)."""

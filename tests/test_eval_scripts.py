@@ -1,6 +1,7 @@
 """The benchmark scripts under eval/ run end to end on a tiny converted model (their numbers are
 benchmarks, not tested here; that they run and check what they claim to check is)."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -103,13 +104,33 @@ def test_crossdomain_refuses_to_resume_rows_made_otherwise(tmp_path):
     # rows recorded before a method setting existed were made with its value of then (BEFORE_SETTING)
     from transmla_tool.methods import BEFORE_SETTING, resolve_method
 
-    closed = resolve_method("closed-form")
-    older = {k: v for k, v in closed.as_dict().items() if k not in BEFORE_SETTING}
+    then = resolve_method("closed-form", [f"{k}={v}" for k, v in BEFORE_SETTING.items()])
+    older = {k: v for k, v in then.as_dict().items() if k not in BEFORE_SETTING}
     rows = [{"calib": "news", "config": "cf", "budget": 192, "domain": "docs", **made, "method": older}]
     cf = {"calib": "news", "config": "cf"}
-    check(rows, results, cf, {**made, "method": closed.as_dict()})
-    with pytest.raises(SystemExit, match="method"):
-        check(rows, results, cf, {**made, "method": resolve_method("closed-form", ["latent_basis=hadamard"]).as_dict()})
+    check(rows, results, cf, {**made, "method": then.as_dict()})
+    with pytest.raises(SystemExit, match="method"):  # today's closed form has moved on (latent_basis, rope_key_balance)
+        check(rows, results, cf, {**made, "method": resolve_method("closed-form").as_dict()})
+
+
+def test_rerun_commands_remake_the_recorded_method():
+    """A command printed from old rows names every setting whose default has moved since, so that it remakes
+    (and resumes) those rows instead of measuring today's default under their name."""
+    from transmla_tool.methods import BEFORE_SETTING, resolve_method
+
+    remaking = _eval_module("quality").remaking_overrides
+    older = {k: v for k, v in resolve_method("closed-form", ["latent_basis=pca", "rope_key_balance=none"]).as_dict()
+             .items() if k not in BEFORE_SETTING}  # recorded before latent_basis and rope_key_balance existed
+    sets = remaking("closed-form", [], older)
+    assert sorted(sets) == ["latent_basis=pca", "rope_key_balance=none"]
+    assert resolve_method("closed-form", sets).as_dict() == {**BEFORE_SETTING, **older}
+    recorded = resolve_method("default", ["refine_steps=200", "latent_basis=hadamard"]).as_dict()
+    recorded["rope_key_balance"] = "none"  # made when that was the default
+    assert remaking("default", ["refine_steps=200", "latent_basis=hadamard"], recorded) == [
+        "refine_steps=200", "latent_basis=hadamard", "rope_key_balance=none"]
+    today = resolve_method("default", ["refine_steps=200"]).as_dict()
+    assert remaking("default", ["refine_steps=200"], today) == ["refine_steps=200"]
+    assert remaking("default", ["refine_steps=200"], None) == ["refine_steps=200"]
 
 
 def _heal_script(*args):
@@ -196,8 +217,9 @@ def test_cache_split_rows(make_model, convert_tiny, text_file):
     from transmla_tool.methods import PRESETS
 
     split = _eval_module("cache_split").split
+    plain = dataclasses.replace(PRESETS["closed-form"], latent_basis="pca", rope_key_balance="none")  # PCA-ordered latent
     converted, _, _ = convert_tiny(make_model("llama", kv_heads=2), latent_dim=24, rope_dim=8,
-                                   method=PRESETS["closed-form"])  # a row of 32: one block
+                                   method=plain)  # a row of 32: one block
     rows = split(str(converted), str(text_file), str(text_file), ["q4_0"], [0.0, 0.3], windows=4, seq_len=64)
     assert [(r["cache"], r["quantized"]) for r in rows] == [
         ("exact", "nothing"), ("q4_0", "all"), ("q4_0", "latent"), ("q4_0", "rotary key"),
