@@ -1,9 +1,10 @@
 """Balance the rotary key of a checkpoint already converted (or healed) for a quantized KV cache.
 
 The rotary key is what a 4-bit cache hurts most (ops/basis.py): its pairs' energies differ by up to ~40x, so
-the loud ones set the scale of their 32-value block. `convert --set rope_key_balance=partial` scales the pairs
-while converting; this does the same to a finished stock checkpoint, so a conversion or a long healing run
-need not be repeated. Each layer's attention input is measured on a little calibration text (the energies
+the loud ones set the scale of their 32-value block. `convert` scales the pairs while converting (the default
+`rope_key_balance=partial`); this does the same to a finished stock checkpoint that does not carry the balance (one
+converted before that default, or with `rope_key_balance=none`), so a conversion or a long healing run need not be
+repeated. Each layer's attention input is measured on a little calibration text (the energies
 the cache will hold), the rotary-key pairs are scaled by energy^-p and the queries inversely, and the
 checkpoint is written back (atomically). The model computes the same function, to rounding; only what its
 cache stores changes.
