@@ -241,3 +241,18 @@ def test_quantization_aware_refinement_beats_plain_refinement_on_that_cache():
     assert report.loss_after == pytest.approx(evaluate(aware, x.float(), target, cos, sin, 8, store), rel=1e-5)
     print(f"loss through a q4_0 cache: plain fit {plain_q:.4f}, quantization-aware {report.loss_after:.4f}")
     assert report.loss_after < plain_q
+
+
+def test_block_types_need_whole_blocks():
+    """convert's refine_cache check and heal's --cache-type check share one rule: float types store any row, block
+    types only whole 32-value blocks."""
+    from transmla_tool.errors import UserError
+    from transmla_tool.heal.settings import check_cache_row
+    from transmla_tool.ops.kv_quant import fits_blocks
+
+    assert fits_blocks("f16", 40) and fits_blocks("q4_0", 64) and fits_blocks("iq4_nl", 32)
+    assert not fits_blocks("q4_0", 40) and not fits_blocks("q8_0", 20)
+    check_cache_row("f16", 40)
+    check_cache_row(None, 40)
+    with pytest.raises(UserError, match="stores rows of 32-value blocks, but this model caches 40 values"):
+        check_cache_row("q4_0", 40)

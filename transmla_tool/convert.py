@@ -29,7 +29,7 @@ from .layer import LayerContext, calibrate_layer, convert_layer
 from .memory import Stages
 from .methods import PRESETS, Method
 from .model_card import write_model_card
-from .ops.kv_quant import BLOCK, cache_type
+from .ops.kv_quant import BLOCK, fits_blocks
 from .ops.mla import mla_attention
 from .summary import conversion_summary
 
@@ -106,7 +106,7 @@ def validate(settings: ConvertSettings, geometry: AttentionGeometry) -> None:
         raise UserError(f"--pad-latent-to {settings.pad_latent_to} is smaller than --latent-dim {settings.latent_dim}")
     row = max(settings.pad_latent_to, settings.latent_dim) + dr  # the cached row [latent | rotary key]
     fit_cache = settings.method.refine_cache
-    if fit_cache != "none" and cache_type(fit_cache).kind != "float" and row % BLOCK:
+    if fit_cache != "none" and not fits_blocks(fit_cache, row):
         raise UserError(f"refine_cache={fit_cache} quantizes the cached row in {BLOCK}-value blocks, "
                         f"but latent + rope is {row}; choose a --latent-dim (or --pad-latent-to) that makes it a "
                         f"multiple of {BLOCK}")

@@ -7,8 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..ops.kv_quant import BLOCK, SIMULATED_CACHE_TYPES
-from ..ops.kv_quant import cache_type as kv_cache_type
+from ..ops.kv_quant import BLOCK, SIMULATED_CACHE_TYPES, fits_blocks
 
 SETTINGS_FILE = "settings.json"  # in the checkpoint directory: what a --resume must match
 # Settings a resumed run may change: they do not touch the trained weights, the data order or the schedule.
@@ -87,7 +86,7 @@ def check_cache_type(name: str | None) -> None:
 def check_cache_row(name: str | None, row_values: int) -> None:
     """A block-quantized cache stores each token's row [latent | rotary key] in blocks of 32 values (llama.cpp
     refuses other row sizes): refuse to train for one the engine would not allocate."""
-    if name is not None and kv_cache_type(name).kind != "float" and row_values % BLOCK:
+    if name is not None and not fits_blocks(name, row_values):
         raise UserError(f"--cache-type {name} stores rows of {BLOCK}-value blocks, but this model caches "
                         f"{row_values} values per token (latent + rope): convert with a latent that makes it a multiple "
                         f"of {BLOCK}, or heal for an f16 cache")

@@ -61,6 +61,12 @@ def cache_type(name: str) -> CacheType:
     return CACHE_TYPES[name]
 
 
+def fits_blocks(name: str, values: int) -> bool:
+    """Whether a cache row of `values` numbers can be stored as type `name`: a block type (every type but the float
+    ones) stores whole blocks of BLOCK values, and llama.cpp refuses other row sizes."""
+    return cache_type(name).kind == "float" or values % BLOCK == 0
+
+
 def bytes_per_token_per_layer(values_k: int, values_v: int, k_type: str, v_type: str | None = None) -> float:
     """Cache bytes for one token in one layer holding `values_k` key and `values_v` value numbers."""
     return values_k * cache_type(k_type).bytes_per_value + values_v * cache_type(v_type or k_type).bytes_per_value
