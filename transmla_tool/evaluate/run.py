@@ -92,7 +92,8 @@ def check_settings(settings: EvalSettings, converted_exists: bool = True):
             parse_transformers_cache_types(settings.cache_types)
         else:
             raise UserError("--cache-types is measured in llama.cpp (--engine llamacpp) or transformers (its "
-                            "quantized caches); for vLLM's fp8 cache use --kv-cache-dtype fp8")
+                            "quantized caches); vLLM's fp8 cache is a serving flag (vllm serve DIR --kv-cache-dtype "
+                            "fp8), not measured by eval: docs/serving.md says what its CPU build does with it")
     if settings.tasks and settings.engine != "transformers":
         raise UserError(f"--tasks (lm-eval) runs through transformers; drop --tasks or --engine {settings.engine}")
     return device, dtype
