@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -434,7 +435,7 @@ def test_eval_in_llamacpp(tmp_path):
 
 
 @pytest.mark.slow  # the real SmolLM2: kept out of the oldest-transformers run
-def test_eval_in_llamacpp_cache_types(tmp_path):
+def test_eval_in_llamacpp_cache_types(tmp_path, monkeypatch):
     """`eval --engine llamacpp --cache-types`: both models under llama.cpp's cache types. The bytes it allocates
     are the types' (SmolLM2: 2 x 192 values; the converted row 128 + 64, values a view of it), the latent takes a
     q8_0 cache within 1% of its f16 cache, and what ops/kv_quant.py predicts for a q4_0 cache is what llama.cpp
@@ -486,6 +487,24 @@ def test_eval_in_llamacpp_cache_types(tmp_path):
     print(f"converted with a q4_0 cache: llama.cpp {q4:.4f}, simulated in transformers {simulated:.4f}, f16 {f16:.4f}")
     assert all(layer.self_attn.cache_reads == chunks for layer in model.model.layers)  # the simulated cache was read
     assert abs(simulated / q4 - 1) < 0.1 * abs(q4 / f16 - 1), (simulated, q4, f16)
+    # llama.cpp rotates a quantized K cache (Walsh-Hadamard on queries and keys) for the original's attention but not
+    # for deepseek2's MLA: what docs/serving.md and docs/frontier.md say of the original's q4_0 rows
+    from transmla_tool.engines.llamacpp import cache_flags, perplexity
+    from transmla_tool.gguf_export import GGUFSettings, export_gguf
+
+    converted_gguf = tmp_path / "mla.gguf"
+    export_gguf(GGUFSettings(checkpoint=str(out), output=str(converted_gguf), outtype="f32",
+                             tokenizer_gguf=str(Path(model_dir) / gguf)))
+    text_file = tmp_path / "windows.txt"
+    text_file.write_text(text)
+    q4_0 = {}
+    for rotation in ("0", "1"):
+        monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", rotation)
+        q4_0[rotation] = [perplexity(model_file, text_file, 512, 4, flags=cache_flags("q4_0"))["perplexity"]
+                          for model_file in (Path(model_dir) / gguf, converted_gguf)]
+    print(f"llama.cpp q4_0 (original, converted): rotation on {q4_0['0']}, LLAMA_ATTN_ROT_DISABLE=1 {q4_0['1']}")
+    assert q4_0["0"][0] < q4_0["1"][0]  # the original's keys are rotated, and it pays
+    assert q4_0["0"][1] == q4_0["1"][1]  # the MLA cache is not (this fails, and the docs must change, when it is)
 
 
 GGML_ROUND_TRIP = r"""
