@@ -438,8 +438,9 @@ def test_eval_in_llamacpp(tmp_path):
 def test_eval_in_llamacpp_cache_types(tmp_path, monkeypatch):
     """`eval --engine llamacpp --cache-types`: both models under llama.cpp's cache types. The bytes it allocates
     are the types' (SmolLM2: 2 x 192 values; the converted row 128 + 64, values a view of it), the latent takes a
-    q8_0 cache within 1% of its f16 cache, and what ops/kv_quant.py predicts for a q4_0 cache is what llama.cpp
-    does to the converted model (its perplexity through our simulated cache, scored as llama-perplexity scores)."""
+    q8_0 cache within 1% of its f16 cache, what ops/kv_quant.py predicts for a q4_0 cache is what llama.cpp
+    does to the converted model (its perplexity through our simulated cache, scored as llama-perplexity scores), and
+    llama.cpp rotates the original's quantized K cache but not the converted model's."""
     from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
     from transmla_tool.evaluate.run import EvalSettings, run_eval
 

@@ -165,10 +165,10 @@ def test_cached_row_is_laid_out_as_llamacpp_caches_it():
     row = seen[0]
     r, dr = mla.latent_dim, mla.rope_dim
     key = x @ mla.kv_a[r:].T  # before RoPE
-    positions = torch.arange(x.shape[1], dtype=torch.float64)[:, None]
+    positions = torch.arange(x.shape[1], dtype=torch.float64)
     expected = torch.empty_like(key)
     for i in range(dr // 2):
-        angle = positions[:, 0] * 10000 ** (-2 * i / dr)
+        angle = positions * 10000 ** (-2 * i / dr)
         a, b = key[..., 2 * i], key[..., 2 * i + 1]
         expected[..., 2 * i] = a * torch.cos(angle) - b * torch.sin(angle)
         expected[..., 2 * i + 1] = a * torch.sin(angle) + b * torch.cos(angle)
