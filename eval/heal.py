@@ -35,6 +35,7 @@ import torch
 from transmla_tool.assets import DOMAINS, domain_splits, lee_corpus, smollm2_gguf, split_documents
 from transmla_tool.convert import ConvertSettings, convert
 from transmla_tool.data import token_windows
+from transmla_tool.devices import resolve_device
 from transmla_tool.errors import UserError
 from transmla_tool.evaluate.frontier import parse_cache_types
 from transmla_tool.evaluate.models import load_model, load_tokenizer
@@ -78,6 +79,9 @@ def main() -> None:
                         help="also place the conversion and the healed model with their rotary keys brought to this "
                         "balance after the fact (`transmla-tool rebalance`, measured on the run's calibration text), as "
                         "extra rows (the same model again when the conversion already carries it, as the default does)")
+    parser.add_argument("--device", default="auto",
+                        help="where the conversion, the reference perplexity and the rebalancing run (auto: a GPU when "
+                        "there is one); the healing itself runs where accelerate puts it")
     parser.add_argument("--frontier-only", action="store_true",
                         help="score a finished run's conversion and healed model under --cache-types again (e.g. a "
                         "cache type added later), without converting or healing")
@@ -89,6 +93,7 @@ def main() -> None:
     if args.frontier_only and not (healed / "healing.json").exists():
         raise SystemExit(f"--frontier-only: {healed} is not a finished healing run; run without --frontier-only")
     try:
+        device = resolve_device(args.device)
         method = resolve_method("default", args.overrides)  # a bad --set fails here, before any work
         check_cache_type(args.cache_type)
         cache_types = parse_cache_types(args.cache_types) if args.cache_types else []
@@ -106,21 +111,17 @@ def main() -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model_dir, gguf = smollm2_gguf()
-    calib, heldout = split_documents(lee_corpus(), out / "data")
-    data = str(calib) if args.data == "news" else args.data
-    if args.data.startswith("mix-"):
-        left_out = args.data[4:]
-        if left_out not in DOMAINS:
-            raise SystemExit(f"--data {args.data}: the domain left out must be one of {', '.join(DOMAINS)}")
-        splits = domain_splits(out / "data")
-        calib = data = ",".join(str(splits[d][0]) for d in DOMAINS if d != left_out)
-        heldout = splits[left_out][1]
+    left_out = args.data[4:] if args.data.startswith("mix-") else None
+    if left_out is not None and left_out not in DOMAINS:
+        raise SystemExit(f"--data {args.data}: the domain left out must be one of {', '.join(DOMAINS)}")
+    calib, heldout = run_splits(out / "data", left_out)
+    data = args.data if args.data != "news" and left_out is None else calib
     converted = out / f"converted-{budget}"
     if args.frontier_only:
         tokens = json.loads((healed / "healing.json").read_text())["tokens"]
         checkpoints = {"converted": converted, f"healed {tokens} tokens": healed}
-        place_on_frontier(out, model_dir, gguf, with_rebalanced(checkpoints, args.rebalance, str(calib)), heldout,
-                          cache_types, args.frontier_chunks)
+        checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device))
+        place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks)
         return
     record = out / "conversion.json"
     # the resolved method too: `default` changes between releases, and a rerun must not reuse an older default's
@@ -138,14 +139,15 @@ def main() -> None:
     if not (converted / "config.json").exists():
         convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
                                 rope_dim=args.rope_dim, calib_data=str(calib), calib_samples=args.calib_samples,
-                                method=method, target="transformers", dtype="float32", device="cpu", overwrite=True))
+                                method=method, target="transformers", dtype="float32", device=str(device),
+                                overwrite=True))
         record.write_text(json.dumps(wanted) + "\n")
 
     reference = out / "original.json"
     if not reference.exists():
         tokenizer = load_tokenizer(model_dir, gguf)
         windows = token_windows(str(heldout), tokenizer, args.seq_len, args.eval_windows)
-        model = load_model(model_dir, gguf, torch.float32, torch.device("cpu"))
+        model = load_model(model_dir, gguf, torch.float32, device)
         reference.write_text(json.dumps({"perplexity": perplexity(model, windows)["perplexity"]}))
         del model
     original = json.loads(reference.read_text())["perplexity"]
@@ -168,11 +170,28 @@ def main() -> None:
     write_report(out, rows, original, summary, setup, f"{args.latent_dim} + {args.rope_dim}")
     if cache_types:
         checkpoints = {"converted": converted, f"healed {summary['tokens']} tokens": healed}
-        place_on_frontier(out, model_dir, gguf, with_rebalanced(checkpoints, args.rebalance, str(calib)), heldout,
-                          cache_types, args.frontier_chunks)
+        checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device))
+        place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks)
 
 
-def with_rebalanced(checkpoints: dict, balance: str | None, calib: str) -> dict:
+def run_splits(data_dir: Path, left_out: str | None) -> tuple[str, Path]:
+    """(calibration and training text, held-out file) of a run: gensim's news split, or with `left_out` the other
+    three domains' calibration documents (comma-joined) and that domain's held-out ones. Written into the run's
+    data/ once and read from there afterwards, so a run resumed or rescored elsewhere keeps its text: the code and
+    docs domains are the running interpreter's standard library, which another Python version changes."""
+    if left_out is None:
+        calib, heldout = data_dir / "calib.txt", data_dir / "heldout.txt"
+        if not (calib.exists() and heldout.exists()):
+            calib, heldout = split_documents(lee_corpus(), data_dir)
+        return str(calib), heldout
+    others = [d for d in DOMAINS if d != left_out]
+    wanted = [data_dir / f"{d}-calib.jsonl" for d in others] + [data_dir / f"{left_out}-heldout.jsonl"]
+    if not all(path.exists() for path in wanted):
+        domain_splits(data_dir)
+    return ",".join(str(path) for path in wanted[:-1]), wanted[-1]
+
+
+def with_rebalanced(checkpoints: dict, balance: str | None, calib: str, device: str = "cpu") -> dict:
     """The checkpoints, plus each one's rotary key balanced (`<dir>-<balance>`, labelled `+<balance>`) when asked;
     balanced on the calibration text, never on the held-out domain. A balanced directory already there is reused."""
     if balance is None:
@@ -184,7 +203,7 @@ def with_rebalanced(checkpoints: dict, balance: str | None, calib: str) -> dict:
         target = Path(f"{path}-{balance}")
         if not (target / "rebalance.json").exists():
             rebalance(RebalanceSettings(model=str(path), output=str(target), balance=balance, calib_data=calib,
-                                        device="cpu", overwrite=True))
+                                        device=device, overwrite=True))
         out[f"{label} +{balance}"] = target
     return out
 

@@ -125,6 +125,8 @@ def main() -> None:
     parser.add_argument("--rope-dim", type=int, default=64)
     parser.add_argument("--calib-samples", type=int, default=8)
     parser.add_argument("--calib-seq-len", type=int, default=256)
+    parser.add_argument("--calib-data", default=None,
+                        help="calibration text, any local .txt/.jsonl (default: gensim's lee_background news)")
     parser.add_argument("--method", default="closed-form")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                         help="method setting passed to convert, e.g. refine_steps=20 to time a few refinement steps")
@@ -143,10 +145,12 @@ def main() -> None:
     build_s = time.time() - start
     print(f"built a random {args.shape}-shaped checkpoint ({layers} layers, {size_gb:.1f} GB bf16) in {build_s:.0f} s",
           flush=True)
-    from transmla_tool.assets import lee_corpus
+    if args.calib_data is None:
+        from transmla_tool.assets import lee_corpus
 
+        args.calib_data = str(lee_corpus())
     cmd = [sys.executable, "-m", "transmla_tool", "convert", "--model", str(src), "--output", str(dst),
-           "--latent-dim", str(args.latent_dim), "--rope-dim", str(args.rope_dim), "--calib-data", str(lee_corpus()),
+           "--latent-dim", str(args.latent_dim), "--rope-dim", str(args.rope_dim), "--calib-data", args.calib_data,
            "--calib-samples", str(args.calib_samples), "--calib-seq-len", str(args.calib_seq_len),
            "--method", args.method, "--device", args.device, "--dtype", args.dtype, "--overwrite", "--no-progress",
            *[a for pair in args.overrides for a in ("--set", pair)]]
@@ -164,7 +168,8 @@ def main() -> None:
         "shape": args.shape, "layers": layers, "source_gb_bf16": round(size_gb, 2),
         "latent_dim": args.latent_dim, "rope_dim": args.rope_dim, "method": args.method, "overrides": args.overrides,
         "device": args.device, "refine_seconds_per_layer": [layer.get("refine_seconds") for layer in summary["layers"]],
-        "calib_tokens": args.calib_samples * args.calib_seq_len, "wall_s": round(seconds, 1),
+        "calib_tokens": args.calib_samples * args.calib_seq_len, "calib_data": args.calib_data,
+        "wall_s": round(seconds, 1),
         "peak_mb_sampled": {k: round(v, 1) for k, v in sampler.peak.items()},
         "peak_rss_mb_child_reported": summary["peak_rss_mb"],
         "peak_gpu_mb": summary.get("peak_gpu_mb"),

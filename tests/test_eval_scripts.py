@@ -145,6 +145,30 @@ def test_heal_benchmark_refuses_a_bad_method_setting_before_any_work(tmp_path):
     assert not (tmp_path / "heal").exists()
 
 
+def test_heal_benchmark_refuses_a_bad_device_before_any_work(tmp_path):
+    run = _heal_script("--output-dir", str(tmp_path / "heal"), "--device", "tpu")
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1] == "--device must be cpu, cuda, cuda:N or auto, got tpu"
+    assert not (tmp_path / "heal").exists()
+
+
+def test_heal_run_keeps_the_text_it_started_with(tmp_path):
+    """A run's data/ is written once and then read, not rewritten: a run resumed or rescored under another Python
+    (whose standard library is the code and docs text) keeps its text."""
+    run_splits = _eval_module("heal").run_splits
+    calib, heldout = run_splits(tmp_path / "data", "docs")
+    files = calib.split(",")
+    assert [Path(f).name for f in files] == ["news-calib.jsonl", "forum-calib.jsonl", "code-calib.jsonl"]
+    assert heldout.name == "docs-heldout.jsonl" and all(Path(f).stat().st_size > 50_000 for f in files)
+    Path(files[2]).write_text('{"text": "the code this run started with"}\n')
+    assert run_splits(tmp_path / "data", "docs") == (calib, heldout)
+    assert Path(files[2]).read_text() == '{"text": "the code this run started with"}\n'
+    news_calib, news_heldout = run_splits(tmp_path / "news", None)
+    news_heldout.write_text("kept\n")
+    assert run_splits(tmp_path / "news", None) == (news_calib, news_heldout)
+    assert news_heldout.read_text() == "kept\n"
+
+
 def test_heal_benchmark_refuses_a_directory_converted_with_other_settings(tmp_path):
     import json
 
