@@ -84,9 +84,11 @@ def capture(out: Path, layers: set[int], latent_dim: int, rope_dim: int, calib_s
     finally:
         layer_module.refine = real_refine
         shutil.rmtree(out / "converted", ignore_errors=True)  # only the captured problems are kept
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf)
+    from transmla_tool.gguf_tokenizer import load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(model_dir, gguf)
     model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf, dtype=torch.float32).eval()
     for domain in DOMAINS:
         if domain == "news":

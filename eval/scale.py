@@ -41,9 +41,10 @@ SHAPES = {
 
 def build_checkpoint(path: Path, shape: dict, layers: int, seed: int = 0) -> float:
     """Random bf16 Llama checkpoint, one safetensors shard per layer. Returns its size in GB."""
-    from transformers import AutoTokenizer, LlamaConfig
+    from transformers import LlamaConfig
 
     from transmla_tool.assets import smollm2_gguf
+    from transmla_tool.gguf_tokenizer import load_gguf_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(**shape, head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
@@ -54,7 +55,7 @@ def build_checkpoint(path: Path, shape: dict, layers: int, seed: int = 0) -> flo
     config.save_pretrained(path)
     # any tokenizer whose ids fit the vocabulary will do: SmolLM2's (49152 tokens), shipped offline
     model_dir, gguf = smollm2_gguf()
-    AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf).save_pretrained(path)
+    load_gguf_tokenizer(model_dir, gguf).save_pretrained(path)
     gen = torch.Generator().manual_seed(seed)
     d, inter, heads, kv = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"], \
         shape["num_key_value_heads"]

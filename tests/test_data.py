@@ -119,3 +119,42 @@ def test_chat_and_code_rows(tmp_path):
                                              {"role": "assistant", "content": "Hello"}]}) + "\n"
                     + json.dumps({"content": "def f():\n    return 1"}) + "\n")
     assert list(iter_documents(str(chat))) == ["user: Hi\nassistant: Hello", "def f():\n    return 1"]
+
+
+def test_gguf_tokenizer_names_the_files_special_tokens(tmp_path):
+    """transformers before 5.24 reads SmolLM2's end of text (2, <|im_end|>) as <|im_start|> and no padding token:
+    documents were joined by the wrong token, and the same text scored 0.6% apart on two versions pyproject allows.
+    The tokenizer we load names the GGUF's own on every version, keeps them when saved, and joins documents with
+    the end of text."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from transmla_tool.assets import smollm2_gguf
+    from transmla_tool.evaluate.models import load_tokenizer
+    from transmla_tool.gguf_tokenizer import gguf_special_token_ids
+
+    model_dir, gguf = smollm2_gguf()
+    assert gguf_special_token_ids(Path(model_dir) / gguf) == {"bos": 1, "eos": 2, "unk": 0, "pad": 2}
+    tokenizer = load_tokenizer(model_dir, gguf)
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<|im_start|>", "<|im_end|>",
+                                                                                "<|im_end|>")
+    tokenizer.save_pretrained(tmp_path / "saved")
+    assert AutoTokenizer.from_pretrained(tmp_path / "saved").eos_token_id == 2
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    first = tokenizer(DOCS[0], add_special_tokens=False).input_ids
+    window = token_windows(str(docs), tokenizer, len(first) + 4, 1)[0].tolist()
+    assert window[: len(first) + 1] == first + [2]
+
+
+def test_gguf_tokenizer_takes_what_the_file_says_over_transformers(monkeypatch):
+    """The correction itself, on every transformers version (the newest needs none for SmolLM2)."""
+    import transmla_tool.gguf_tokenizer as gguf_tokenizer
+    from transmla_tool.assets import smollm2_gguf
+
+    monkeypatch.setattr(gguf_tokenizer, "gguf_special_token_ids", lambda path: {"eos": 5, "pad": 7, "unk": 10**9})
+    tokenizer = gguf_tokenizer.load_gguf_tokenizer(*smollm2_gguf())
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (5, 7)
+    assert tokenizer.eos_token == tokenizer.convert_ids_to_tokens(5)
+    assert tokenizer.unk_token_id == 0  # an id outside the vocabulary is not taken

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from transmla_tool.convert import ConvertSettings, convert
 from transmla_tool.errors import UserError
+from transmla_tool.evaluate.models import load_tokenizer
 from transmla_tool.methods import PRESETS
 
 pytestmark = pytest.mark.engines
@@ -409,7 +410,7 @@ def test_eval_in_llamacpp(tmp_path):
     from transmla_tool.data import token_windows
     from transmla_tool.engines.llamacpp import reference_perplexity
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf)
+    tokenizer = load_tokenizer(model_dir, gguf)
     windows = token_windows(str(heldout), tokenizer, 256, 4)
     text = tokenizer.decode(windows.reshape(-1).tolist(), skip_special_tokens=True)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
@@ -479,7 +480,7 @@ def test_eval_in_llamacpp_cache_types(tmp_path, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     model.config.use_cache = False
     to_natural(model, "q4_0")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf)
+    tokenizer = load_tokenizer(model_dir, gguf)
     windows = token_windows(str(heldout), tokenizer, 512, 8)
     text = tokenizer.decode(windows.reshape(-1).tolist(), skip_special_tokens=True)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
 from transmla_tool.convert import ConvertSettings, convert
 from transmla_tool.data import token_windows
+from transmla_tool.evaluate.models import load_tokenizer
 from transmla_tool.evaluate.perplexity import perplexity
 from transmla_tool.methods import resolve_method
 
@@ -53,7 +54,7 @@ def test_converts_to_stock_deepseek_v3(smollm2_converted):
 
 def test_perplexity_close_to_original(smollm2_converted):
     model_dir, gguf, out, heldout, _ = smollm2_converted
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf)
+    tokenizer = load_tokenizer(model_dir, gguf)
     windows = token_windows(str(heldout), tokenizer, 512, 8)
     original = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf, dtype=torch.float32)
     ppl_original = perplexity(original, windows, progress=False)["perplexity"]

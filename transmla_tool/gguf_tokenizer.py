@@ -1,4 +1,5 @@
-"""The tokenizer of an exported GGUF: copied from a GGUF of the source model, or built from tokenizer.json."""
+"""GGUF tokenizers: transformers' tokenizer of a GGUF source with the special tokens the file names, and the
+tokenizer of an exported GGUF (copied from a GGUF of the source model, or built from tokenizer.json)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,38 @@ LLAMA_CPP_PRE_TOKENIZERS = (
     "stablelm2", "starcoder", "superbpe", "talkie", "tekken", "tiny_aya", "trillion", "ufakzeka", "viking",
     "whitespace", "youtu",
 )
+
+
+# the special-token roles a GGUF names, as transformers calls them
+GGUF_SPECIAL_TOKENS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.ggml.eos_token_id",
+                       "unk": "tokenizer.ggml.unknown_token_id", "pad": "tokenizer.ggml.padding_token_id"}
+
+
+def gguf_special_token_ids(path: str | Path) -> dict[str, int]:
+    """{role: token id} for the special tokens the GGUF's metadata names."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    ids = {}
+    for role, key in GGUF_SPECIAL_TOKENS.items():
+        field = reader.fields.get(key)
+        if field is not None:
+            ids[role] = int(field.parts[field.data[0]][0])
+    return ids
+
+
+def load_gguf_tokenizer(directory: str, gguf_file: str):
+    """transformers' tokenizer of a GGUF, its special tokens set to the ones the file names. transformers before 5.24
+    (5.15 and 5.17 seen) read SmolLM2's end of text (id 2, <|im_end|>) as id 1 (<|im_start|>) and no padding
+    token: documents were joined by the wrong token and saved tokenizers carried it, so the same text scored 0.6%
+    apart on two transformers versions pyproject allows."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    for role, token_id in gguf_special_token_ids(Path(directory) / gguf_file).items():
+        if 0 <= token_id < len(tokenizer) and getattr(tokenizer, f"{role}_token_id") != token_id:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    return tokenizer
 
 
 def write_tokenizer(writer, ckpt: Path, source_gguf: str | None, pre: str | None, vocab_size: int) -> None:

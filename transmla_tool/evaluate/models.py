@@ -37,8 +37,10 @@ def load_model(path: str, gguf_file: str | None, dtype: torch.dtype, device: tor
 def load_tokenizer(path: str, gguf_file: str | None):
     from transformers import AutoTokenizer
 
+    from ..gguf_tokenizer import load_gguf_tokenizer
+
     try:
-        return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
+        return load_gguf_tokenizer(path, gguf_file) if gguf_file else AutoTokenizer.from_pretrained(path)
     except OSError as exc:
         raise UserError(f"cannot load the tokenizer of {path}: {exc}") from exc
 

@@ -57,6 +57,10 @@ class CheckpointSource:
     def load_tokenizer(self):
         from transformers import AutoTokenizer
 
+        if "gguf_file" in self.tokenizer_kwargs:
+            from ..gguf_tokenizer import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(*self.tokenizer_args, self.tokenizer_kwargs["gguf_file"])
         return AutoTokenizer.from_pretrained(*self.tokenizer_args, **self.tokenizer_kwargs)
 
     def load_generation_config(self):

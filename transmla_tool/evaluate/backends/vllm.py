@@ -22,7 +22,9 @@ def _as_directory(path: str, gguf_file: str | None, tmp: str) -> str:
     if not gguf_file:
         return path
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from ...gguf_tokenizer import load_gguf_tokenizer
 
     out = Path(tmp) / "original"
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
@@ -32,7 +34,7 @@ def _as_directory(path: str, gguf_file: str | None, tmp: str) -> str:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(path, gguf_file=gguf_file).save_pretrained(out)
+    load_gguf_tokenizer(path, gguf_file).save_pretrained(out)
     return str(out)
 
 
