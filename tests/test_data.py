@@ -153,7 +153,7 @@ def test_gguf_tokenizer_takes_what_the_file_says_over_transformers(monkeypatch):
     import transmla_tool.gguf_tokenizer as gguf_tokenizer
     from transmla_tool.assets import smollm2_gguf
 
-    monkeypatch.setattr(gguf_tokenizer, "gguf_special_token_ids", lambda path: {"eos": 5, "pad": 7, "unk": 10**9})
+    monkeypatch.setattr(gguf_tokenizer, "gguf_special_token_ids", lambda path, reader=None: {"eos": 5, "pad": 7, "unk": 10**9})
     tokenizer = gguf_tokenizer.load_gguf_tokenizer(*smollm2_gguf())
     assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (5, 7)
     assert tokenizer.eos_token == tokenizer.convert_ids_to_tokens(5)

@@ -29,11 +29,11 @@ GGUF_SPECIAL_TOKENS = {"bos": "tokenizer.ggml.bos_token_id", "eos": "tokenizer.g
                        "unk": "tokenizer.ggml.unknown_token_id", "pad": "tokenizer.ggml.padding_token_id"}
 
 
-def gguf_special_token_ids(path: str | Path) -> dict[str, int]:
-    """{role: token id} for the special tokens the GGUF's metadata names."""
+def gguf_special_token_ids(path: str | Path, reader=None) -> dict[str, int]:
+    """{role: token id} for the special tokens the GGUF's metadata names (`reader`: the file already open)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = reader or gguf.GGUFReader(str(path))
     ids = {}
     for role, key in GGUF_SPECIAL_TOKENS.items():
         field = reader.fields.get(key)
@@ -42,7 +42,7 @@ def gguf_special_token_ids(path: str | Path) -> dict[str, int]:
     return ids
 
 
-def load_gguf_tokenizer(directory: str, gguf_file: str):
+def load_gguf_tokenizer(directory: str, gguf_file: str, reader=None):
     """transformers' tokenizer of a GGUF, its special tokens set to the ones the file names. transformers before 5.24
     (5.15 and 5.17 seen) read SmolLM2's end of text (id 2, <|im_end|>) as id 1 (<|im_start|>) and no padding
     token: documents were joined by the wrong token and saved tokenizers carried it, so the same text scored 0.6%
@@ -50,7 +50,7 @@ def load_gguf_tokenizer(directory: str, gguf_file: str):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    for role, token_id in gguf_special_token_ids(Path(directory) / gguf_file).items():
+    for role, token_id in gguf_special_token_ids(Path(directory) / gguf_file, reader).items():
         if 0 <= token_id < len(tokenizer) and getattr(tokenizer, f"{role}_token_id") != token_id:
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
     return tokenizer

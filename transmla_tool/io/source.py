@@ -57,10 +57,6 @@ class CheckpointSource:
     def load_tokenizer(self):
         from transformers import AutoTokenizer
 
-        if "gguf_file" in self.tokenizer_kwargs:
-            from ..gguf_tokenizer import load_gguf_tokenizer
-
-            return load_gguf_tokenizer(*self.tokenizer_args, self.tokenizer_kwargs["gguf_file"])
         return AutoTokenizer.from_pretrained(*self.tokenizer_args, **self.tokenizer_kwargs)
 
     def load_generation_config(self):
@@ -149,6 +145,11 @@ class GGUFSource(CheckpointSource):
         self.tokenizer_kwargs = {"gguf_file": gguf_file}
         self._reader = GGUFReader(str(path))
         self._by_hf_name = self._map_names()
+
+    def load_tokenizer(self):
+        from ..gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(*self.tokenizer_args, self.tokenizer_kwargs["gguf_file"], reader=self._reader)
 
     def _map_names(self) -> dict:
         from transformers import AutoModelForCausalLM
