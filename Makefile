@@ -67,15 +67,16 @@ engines: $(VLLM_STAMP) $(LLAMA_CPP_STAMP)
 demo: setup
 	$(BIN)/transmla-tool demo
 
+# --durations: CI must finish in 90 minutes; its log names the slowest tests so that a growing suite shows where.
 test: setup engines $(OLDEST_STAMP)
-	TRANSMLA_ENGINES=$(ENGINES) TRANSMLA_REQUIRE_ENGINES=1 $(BIN)/python -m pytest -q tests
+	TRANSMLA_ENGINES=$(ENGINES) TRANSMLA_REQUIRE_ENGINES=1 $(BIN)/python -m pytest -q --durations=15 tests
 	$(MAKE) --no-print-directory test-oldest
 
 # Everything but the real-model checks on the oldest transformers allowed (the engines run in their own venvs
 # or binaries, but what feeds them -- conversion, export, the absorbed runtime -- runs on this transformers).
 test-oldest: $(OLDEST_STAMP) engines
 	@$(OLDEST)/bin/python -c "import transformers; print('transformers', transformers.__version__, '(oldest allowed)')"
-	TRANSMLA_ENGINES=$(ENGINES) TRANSMLA_REQUIRE_ENGINES=1 $(OLDEST)/bin/python -m pytest -q -m "not slow" tests
+	TRANSMLA_ENGINES=$(ENGINES) TRANSMLA_REQUIRE_ENGINES=1 $(OLDEST)/bin/python -m pytest -q --durations=15 -m "not slow" tests
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not engines" tests

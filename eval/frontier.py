@@ -40,6 +40,7 @@ from transmla_tool.evaluate.frontier import (  # noqa: E402
     DEFAULT_ORIGINAL_TYPES,
     Point,
     analytic_bytes,
+    check_mla_sizes,
     check_mla_types,
     markdown_table,
     parse_cache_types,
@@ -81,6 +82,9 @@ def main() -> None:
         original_types = parse_cache_types(args.original_cache_types, "--original-cache-types")
         converted_types = parse_cache_types(args.cache_types)
         check_mla_types(converted_types)
+        for budget in (int(b) for b in args.budgets.split(",")):
+            latent = budget - args.rope_dim
+            check_mla_sizes(converted_types, latent, args.rope_dim, f"budget {budget} (latent {latent} + rope {args.rope_dim})")
         budgets_asked = [float(b) for b in args.max_cache_bytes.split(",") if b]
     except (UserError, ValueError) as exc:
         raise SystemExit(f"frontier.py: {exc}") from None

@@ -47,8 +47,8 @@ def base_args(make_model, text_file, tmp_path):
                                "320/512/576"),
         ({"--pad-latent-to": "8"}, "--pad-latent-to 8 is smaller than --latent-dim 12"),
         ({"--max-shard-size": "abc"}, "--max-shard-size 'abc'"),
-        ({"--set": "refine_cache=q4_0"}, "refine_cache=q4_0 quantizes the cached row in 32-value blocks, but latent "
-                                         "+ rope is 20"),
+        ({"--set": "refine_cache=q4_0"}, "refine_cache=q4_0: llama.cpp stores cache type q4_0 in 32-value blocks and "
+                                         "refuses a converted model whose latent (12) or rotary key (8)"),
     ],
 )
 def test_bad_arguments(capsys, base_args, tmp_path, overrides, needle):

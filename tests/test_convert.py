@@ -135,7 +135,7 @@ def test_cache_bases_follow_the_fit(make_model, convert_tiny):
     (refine_cache) must read the basis its cache will hold: there they come first and the model differs."""
     from transmla_tool.methods import PRESETS
 
-    src = make_model("llama", kv_heads=2)
+    src = make_model("llama", kv_heads=2, head_dim=32)  # a rotary key of 32: one q4_0 block, as llama.cpp needs
     ids = sample_ids(AutoConfig.from_pretrained(src).vocab_size)
     default = dataclasses.replace(PRESETS["default"], refine_steps=8)
     assert (default.latent_basis, default.rope_key_balance) == ("hadamard", "partial")
@@ -144,7 +144,7 @@ def test_cache_bases_follow_the_fit(make_model, convert_tiny):
     for name, method in {"default": default, "plain": plain,
                          "default q4_0": dataclasses.replace(default, refine_cache="q4_0"),
                          "plain q4_0": dataclasses.replace(plain, refine_cache="q4_0")}.items():
-        out, summary, natural = convert_tiny(src, latent_dim=24, rope_dim=8, method=method)
+        out, summary, natural = convert_tiny(src, latent_dim=32, rope_dim=32, method=method, calib_samples=16)
         assert all(r["refine_loss_after"] < r["refine_loss_before"] for r in summary["layers"]), name
         results[name] = (logits(out, ids), natural)
     assert rel_err(results["default"][0], results["plain"][0]) < 1e-5
@@ -401,6 +401,31 @@ def test_sglang_size_limits():
     assert "latent 576" in check_target(config(576, 64), "sglang")[0]
     assert check_target(config(256, 128), "sglang")          # rope part over 64
     assert check_target(config(100, 64), "sglang")           # not a multiple of 8
+
+
+def test_llamacpp_cache_note(make_model, text_file, tmp_path, capsys):
+    """Sizes llama.cpp serves with an f16 cache only (its quantized types need a latent and a rotary key that are
+    multiples of 32) are said when converting for it and kept in conversion.json, never refused."""
+    from types import SimpleNamespace
+
+    from transmla_tool.cli import main
+    from transmla_tool.engines import llamacpp_cache_note
+
+    def config(latent, rope):
+        return SimpleNamespace(kv_lora_rank=latent, qk_rope_head_dim=rope)
+
+    assert llamacpp_cache_note(config(128, 64)) is None and llamacpp_cache_note(config(160, 32)) is None
+    note = llamacpp_cache_note(config(176, 16))
+    assert "f16, bf16 or f32 cache only" in note and "--pad-latent-to 192 (exact) and --rope-dim 32 or 64" in note
+    assert "--rope-dim" not in llamacpp_cache_note(config(100, 64))
+    src = make_model("llama", kv_heads=2)
+    assert main(["convert", "--model", str(src), "--latent-dim", "24", "--rope-dim", "8", "--output",
+                 str(tmp_path / "out"), "--calib-data", str(text_file), "--calib-samples", "4", "--calib-seq-len", "32",
+                 "--device", "cpu", "--target", "llamacpp", "--method", "closed-form"]) == 0
+    assert "note (llama.cpp, latent 24): latent 24 + rope 8: llama.cpp runs it with an f16" in \
+        capsys.readouterr().out
+    summary = json.loads((tmp_path / "out" / "conversion.json").read_text())
+    assert any("f16, bf16 or f32 cache only" in p for p in summary["servable"]["llama.cpp"]["problems"])
 
 
 def test_convert_prints_time_per_stage(make_model, text_file, tmp_path, capsys):

@@ -145,6 +145,28 @@ def test_eval_numbers_checked_before_loading(capsys, converted_pair, tmp_path, t
     assert not (tmp_path / "r").exists()
 
 
+def test_eval_in_llamacpp_refuses_a_cache_type_llama_cpp_would_not_allocate(make_model, convert_tiny, text_file,
+                                                                            tmp_path, monkeypatch, capsys):
+    """A quantized cache type for a converted model whose latent or rotary key is not a multiple of 32 (llama.cpp
+    refuses it when it builds the context) stops eval before either model is tokenized for, exported or measured.
+    24 + 8 fills one 32-value block per token, and llama.cpp still refuses it: its values are read from the latent."""
+    import transmla_tool.evaluate.run as run_module
+    from transmla_tool.evaluate.backends import llamacpp as backend
+    from transmla_tool.methods import PRESETS
+
+    monkeypatch.setattr(backend, "evaluate_in_llamacpp", lambda *a, **k: pytest.fail("measured before checking"))
+    monkeypatch.setattr(run_module, "token_windows", lambda *a, **k: pytest.fail("read the data before checking"))
+    src = make_model("llama", kv_heads=2, layers=2)
+    out, _, _ = convert_tiny(src, latent_dim=24, rope_dim=8, method=PRESETS["closed-form"], target="transformers")
+    capsys.readouterr()  # the conversion's own output
+    code = main(["eval", "--original", str(src), "--converted", str(out), "--output-dir", str(tmp_path / "r"),
+                 "--data", str(text_file), "--engine", "llamacpp", "--cache-types", "f16,q8_0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--cache-types q8_0 for the converted model (latent 24 + rope 8)" in err
+    assert "is not a multiple of 32" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()
+
+
 def test_eval_in_vllm_refuses_what_vllm_would_serve_as_another_model(make_model, convert_tiny, text_file, tmp_path,
                                                                       monkeypatch, capsys):
     """A checkpoint with attention biases (vLLM drops them) is refused before anything runs, instead of

@@ -111,6 +111,25 @@ def test_sweep_engine_flags_checked_before_converting(make_model, text_file, tmp
     assert not (tmp_path / "s").exists()
 
 
+def test_sweep_in_llamacpp_refuses_sizes_its_cache_types_cannot_take(make_model, text_file, tmp_path, capsys,
+                                                                     monkeypatch):
+    """A latent or rotary key that is not a multiple of 32 under a quantized llama.cpp cache type: refused before
+    the first conversion (llama.cpp would refuse it only when scoring, after every conversion), though 24 + 8 is
+    one whole 32-value block per token."""
+    from transmla_tool import sweep
+    from transmla_tool.engines import llamacpp
+
+    monkeypatch.setattr(llamacpp, "llama_cpp_bin", lambda name: name)  # the check comes before the engine runs
+    monkeypatch.setattr(sweep, "convert_many", lambda *a, **k: pytest.fail("converted before checking"))
+    src = make_model("llama", kv_heads=2)
+    code = main(["sweep", "--model", str(src), "--gguf-file", "model.gguf", "--calib-data", str(text_file),
+                 "--latent-dims", "24", "--data", str(text_file), "--output-dir", str(tmp_path / "s"), "--rope-dim",
+                 "8", "--engine", "llamacpp", "--cache-types", "f16,q4_0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--cache-types q4_0 for latent 24 + rope 8: llama.cpp stores cache type q4_0" in err, err
+    assert not (tmp_path / "s").exists()
+
+
 def test_sweep_several_rope_dims(make_model, text_file, tmp_path):
     """`sweep --rope-dim 8,4`: every latent dim converted at each rope dim, each point the size it says it is, and the
     recommendation chosen among all of them."""

@@ -212,13 +212,13 @@ def test_missing_data_leaves_no_checkpoint_dir(teacher_and_student, tmp_path, ca
 
 
 @pytest.fixture(scope="module")
-def qat_student(teacher_and_student, text_file, tmp_path_factory):
-    """The tiny teacher converted at latent 24 + rope 8: a 32-value cache row, one q4_0 block per token."""
+def qat_student(trained_model, text_file, tmp_path_factory):
+    """A tiny teacher with 32-wide heads converted at latent 32 + rope 32: one q4_0 block each, as llama.cpp needs."""
     from transmla_tool.convert import ConvertSettings, convert
 
-    teacher, _ = teacher_and_student
+    teacher = trained_model("llama", kv_heads=2, head_dim=32)
     student = tmp_path_factory.mktemp("heal-qat") / "student"
-    convert(ConvertSettings(model=str(teacher), output=str(student), latent_dim=24, rope_dim=8,
+    convert(ConvertSettings(model=str(teacher), output=str(student), latent_dim=32, rope_dim=32,
                             calib_data=str(text_file), calib_samples=8, calib_seq_len=64, dtype="float32",
                             device="cpu", progress=False, method=PRESETS["closed-form"]))
     return teacher, student
@@ -268,7 +268,7 @@ def test_quantization_aware_healing(qat_student, text_file, tmp_path):
 
 @pytest.mark.parametrize("cache,student_fixture,needle", [
     ("q3_k", "qat_student", "healing can train through"),
-    ("q4_0", "teacher_and_student", "caches 16 values per token"),
+    ("q4_0", "teacher_and_student", "whose latent (8) or rotary key (8) is not a multiple of 32"),
 ])
 def test_heal_cache_type_is_checked(request, text_file, tmp_path, capsys, cache, student_fixture, needle):
     from transmla_tool.cli import main

@@ -267,15 +267,27 @@ def test_quantization_aware_refinement_beats_plain_refinement_on_that_cache():
 
 
 def test_block_types_need_whole_blocks():
-    """convert's refine_cache check and heal's --cache-type check share one rule: float types store any row, block
-    types only whole 32-value blocks."""
+    """convert's refine_cache check, heal's --cache-type check, eval's and sweep's llama.cpp cache types share one
+    rule: float types store any row; block types need whole 32-value blocks in the cached row [latent | rotary key]
+    *and* in the latent alone, from which llama.cpp reads the values (176 + 16 fills six blocks, yet llama.cpp
+    refuses it: 'V cache type iq4_nl with block size 32 does not divide n_embd_head_v=176')."""
     from transmla_tool.errors import UserError
+    from transmla_tool.evaluate.frontier import check_mla_sizes
     from transmla_tool.heal.settings import check_cache_row
-    from transmla_tool.ops.kv_quant import fits_blocks
+    from transmla_tool.ops.kv_quant import fits_blocks, mla_cache_problem
 
     assert fits_blocks("f16", 40) and fits_blocks("q4_0", 64) and fits_blocks("iq4_nl", 32)
     assert not fits_blocks("q4_0", 40) and not fits_blocks("q8_0", 20)
-    check_cache_row("f16", 40)
-    check_cache_row(None, 40)
-    with pytest.raises(UserError, match="stores rows of 32-value blocks, but this model caches 40 values"):
-        check_cache_row("q4_0", 40)
+    assert mla_cache_problem("q4_0", 160, 32) is None and mla_cache_problem("iq4_nl", 128, 64) is None
+    assert mla_cache_problem("f16", 176, 16) is None and mla_cache_problem("bf16", 12, 8) is None
+    for latent, rope in ((176, 16), (160, 16), (100, 28)):
+        assert f"latent ({latent}) or rotary key ({rope})" in mla_cache_problem("q8_0", latent, rope)
+    check_cache_row("f16", 24, 8)
+    check_cache_row(None, 24, 8)
+    check_cache_row("q4_0", 160, 32)
+    with pytest.raises(UserError, match=r"whose latent \(24\) or rotary key \(8\) is not a multiple of 32"):
+        check_cache_row("q4_0", 24, 8)  # a 32-value row all the same
+    check_mla_sizes(["f16", "q8_0", "q4_0"], 128, 64, "x")
+    check_mla_sizes(["f16", "bf16"], 176, 16, "x")
+    with pytest.raises(UserError, match=r"--cache-types iq4_nl for latent 176 \+ rope 16: llama.cpp stores"):
+        check_mla_sizes(["f16", "iq4_nl"], 176, 16, "latent 176 + rope 16")

@@ -29,7 +29,7 @@ from .layer import LayerContext, calibrate_layer, convert_layer
 from .memory import Stages
 from .methods import PRESETS, Method
 from .model_card import write_model_card
-from .ops.kv_quant import BLOCK, fits_blocks
+from .ops.kv_quant import BLOCK, mla_cache_problem
 from .ops.mla import mla_attention
 from .summary import conversion_summary
 
@@ -104,12 +104,12 @@ def validate(settings: ConvertSettings, geometry: AttentionGeometry) -> None:
         raise UserError("--batch-size must be >= 1")
     if settings.pad_latent_to and settings.pad_latent_to < settings.latent_dim:
         raise UserError(f"--pad-latent-to {settings.pad_latent_to} is smaller than --latent-dim {settings.latent_dim}")
-    row = max(settings.pad_latent_to, settings.latent_dim) + dr  # the cached row [latent | rotary key]
     fit_cache = settings.method.refine_cache
-    if fit_cache != "none" and not fits_blocks(fit_cache, row):
-        raise UserError(f"refine_cache={fit_cache} quantizes the cached row in {BLOCK}-value blocks, "
-                        f"but latent + rope is {row}; choose a --latent-dim (or --pad-latent-to) that makes it a "
-                        f"multiple of {BLOCK}")
+    problem = None if fit_cache == "none" else mla_cache_problem(
+        fit_cache, max(settings.pad_latent_to, settings.latent_dim), dr)  # the latent as stored
+    if problem:
+        raise UserError(f"refine_cache={fit_cache}: {problem}; choose a --latent-dim (or --pad-latent-to) and a "
+                        f"--rope-dim that are multiples of {BLOCK}")
     check_shard_size(settings.max_shard_size)
 
 

@@ -21,7 +21,7 @@ from .devices import resolve_device, resolve_eval_dtype
 from .engines import VLLM, sglang_size_ok
 from .errors import UserError
 from .evaluate.cache import cache_tensors_bytes, cached_values_per_token_per_layer, prefill
-from .evaluate.frontier import (DEFAULT_ORIGINAL_TYPES, markdown_table, parse_cache_types, point_key,
+from .evaluate.frontier import (DEFAULT_ORIGINAL_TYPES, check_mla_sizes, markdown_table, parse_cache_types, point_key,
                                 points_from_sweep, recommend, reference_cache)
 from .evaluate.frontier import plot as plot_frontier
 from .evaluate.models import check_scoring, context_ids, load_model, load_tokenizer
@@ -96,6 +96,9 @@ def run_sweep(settings: SweepSettings) -> dict:
         batch_size=settings.batch_size, progress=settings.progress, target=settings.target, biases=settings.biases,
         refuse_unservable=False,
     )
+    if types is not None and settings.engine == "llamacpp":
+        for r, p in ((r, p) for p in ropes for r in latents):
+            check_mla_sizes(types, r, p, f"latent {r} + rope {p}")
     if len(ropes) > 1:  # every further rope dim checked before the first one converts (the first: by convert_many)
         check_outputs(convert_settings, latents, ropes[1:])
     parents = make_parents(out)

@@ -116,6 +116,20 @@ def _activation_problems(config, engine: str) -> list[str]:
             "a different model; the checkpoint is exact in transformers only"]
 
 
+def llamacpp_cache_note(config) -> str | None:
+    """What llama.cpp's quantized caches make of a converted config's sizes: None when every type fits."""
+    from ..ops.kv_quant import BLOCK, mla_cache_problem
+
+    latent, rope = config.kv_lora_rank, config.qk_rope_head_dim
+    if mla_cache_problem("q8_0", latent, rope) is None:
+        return None
+    fixes = [f"--pad-latent-to {-(-latent // BLOCK) * BLOCK} (exact)"] if latent % BLOCK else []
+    fixes += [f"--rope-dim {BLOCK} or {2 * BLOCK}"] if rope % BLOCK else []
+    return (f"latent {latent} + rope {rope}: llama.cpp runs it with an f16, bf16 or f32 cache only; its quantized "
+            f"cache types (-ctk q8_0, q4_0, iq4_nl, ...) need a latent and a rotary key that are multiples of {BLOCK} "
+            f"({' and '.join(fixes)})")
+
+
 def servability(config) -> dict:
     """Per-engine verdict for a converted DeepSeek-V3 config: what is known to work and what not."""
     size = config.kv_lora_rank + config.qk_rope_head_dim
@@ -149,6 +163,9 @@ def servability(config) -> dict:
         llama_problems.append(
             "YaRN rope: llama.cpp's deepseek2 loader ignores the ramp stored in the GGUF; pass the "
             "--yarn-beta-fast/--yarn-beta-slow values export-gguf prints")
+    cache_note = llamacpp_cache_note(config)
+    if cache_note:
+        llama_problems.append(cache_note)
     if config.attention_bias:
         llama_problems.append("attention biases: not checked in llama.cpp")
     llama_problems += _activation_problems(config, f"llama.cpp {LLAMA_CPP.version}")
@@ -185,6 +202,9 @@ def check_engines(configs: dict, target: str, rope_dim: int, *, refuse: bool = T
     from ..errors import UserError
 
     for latent_dim, config in configs.items():
+        cache_note = llamacpp_cache_note(config) if target in ("llamacpp", "auto") else None
+        if cache_note and progress:  # served all the same (f16 cache): said, never refused
+            print(f"note (llama.cpp, latent {latent_dim}): {cache_note}")
         problems = check_target(config, target)
         if not problems:
             continue

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 from ..engines.llamacpp import LLAMA_CPP_CACHE_TYPES, split_types
 from ..errors import UserError
-from ..ops.kv_quant import CACHE_TYPES, bytes_per_token_per_layer
+from ..ops.kv_quant import CACHE_TYPES, bytes_per_token_per_layer, mla_cache_problem
 
 DEFAULT_ORIGINAL_TYPES = "f16,q8_0,q8_0/q5_0,q8_0/q4_0,q5_1,q5_0,q4_1,iq4_nl,q4_0"
 DEFAULT_CONVERTED_TYPES = "f16,q8_0,q5_1,q5_0,q4_1,iq4_nl,q4_0"
@@ -44,6 +44,16 @@ def check_mla_types(entries: list[str], flag: str = "--cache-types") -> None:
     if mixed:
         raise UserError(f"{flag}: '{mixed[0]}' gives keys and values different types, which a converted (MLA) "
                         "model cannot take in llama.cpp (its values are a view of the cached latent); give one type")
+
+
+def check_mla_sizes(entries: list[str], latent: int, rope: int, what: str, flag: str = "--cache-types") -> None:
+    """Refuse, before any work, a cache type llama.cpp would not allocate for a converted model of these sizes
+    (`what` names that model for the message)."""
+    for entry in entries:
+        problem = mla_cache_problem(split_types(entry)[0], latent, rope)
+        if problem:
+            raise UserError(f"{flag} {entry} for {what}: {problem}; leave the quantized types out for it, or convert "
+                            "with sizes that fit")
 
 
 def reference_cache(types) -> str:

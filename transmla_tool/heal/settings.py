@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..ops.kv_quant import BLOCK, SIMULATED_CACHE_TYPES, fits_blocks
+from ..ops.kv_quant import BLOCK, SIMULATED_CACHE_TYPES, mla_cache_problem
 
 SETTINGS_FILE = "settings.json"  # in the checkpoint directory: what a --resume must match
 # Settings a resumed run may change: they do not touch the trained weights, the data order or the schedule.
@@ -83,12 +83,12 @@ def check_cache_type(name: str | None) -> None:
                         "types reproduced in torch); leave it out for an exact cache")
 
 
-def check_cache_row(name: str | None, row_values: int) -> None:
-    """A block-quantized cache stores each token's row [latent | rotary key] in blocks of 32 values (llama.cpp
-    refuses other row sizes): refuse to train for one the engine would not allocate."""
-    if name is not None and not fits_blocks(name, row_values):
-        raise UserError(f"--cache-type {name} stores rows of {BLOCK}-value blocks, but this model caches "
-                        f"{row_values} values per token (latent + rope): convert with a latent that makes it a multiple "
+def check_cache_row(name: str | None, latent: int, rope: int) -> None:
+    """A block-quantized cache stores each token's row [latent | rotary key] in blocks of 32 values and llama.cpp reads
+    the values from the latent alone: refuse to train for a cache the engine would not allocate."""
+    problem = None if name is None else mla_cache_problem(name, latent, rope)
+    if problem:
+        raise UserError(f"--cache-type {name}: {problem}; convert with a latent and a rotary key that are multiples "
                         f"of {BLOCK}, or heal for an f16 cache")
 
 

@@ -104,7 +104,7 @@ def _models(settings: HealSettings, accelerator):
     config = student.config
     if config.model_type != "deepseek_v3":
         raise UserError(f"--model {settings.model} is a {config.model_type} model, not a converted DeepSeek-V3 one")
-    check_cache_row(settings.cache_type, config.kv_lora_rank + config.qk_rope_head_dim)
+    check_cache_row(settings.cache_type, config.kv_lora_rank, config.qk_rope_head_dim)
     to_natural(student, settings.cache_type)
     for name, param in student.named_parameters():
         param.requires_grad_(settings.train == "all" or is_attention_param(name))

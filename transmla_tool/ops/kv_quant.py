@@ -67,6 +67,18 @@ def fits_blocks(name: str, values: int) -> bool:
     return cache_type(name).kind == "float" or values % BLOCK == 0
 
 
+def mla_cache_problem(name: str, latent: int, rope: int) -> str | None:
+    """Why llama.cpp would not allocate cache type `name` for a converted model with this latent and rotary key,
+    or None. Its deepseek2 caches each token's row [latent | rotary key] (n_embd_head_k) and reads the values from
+    the latent part (n_embd_head_v); a block type must divide both, so the latent and the rotary key must each be
+    a multiple of BLOCK (measured: 176 + 16 is refused with 'V cache type iq4_nl with block size 32 does not
+    divide n_embd_head_v=176')."""
+    if fits_blocks(name, latent) and fits_blocks(name, latent + rope):
+        return None
+    return (f"llama.cpp stores cache type {name} in {BLOCK}-value blocks and refuses a converted model whose latent "
+            f"({latent}) or rotary key ({rope}) is not a multiple of {BLOCK}")
+
+
 def bytes_per_token_per_layer(values_k: int, values_v: int, k_type: str, v_type: str | None = None) -> float:
     """Cache bytes for one token in one layer holding `values_k` key and `values_v` value numbers."""
     return values_k * cache_type(k_type).bytes_per_value + values_v * cache_type(v_type or k_type).bytes_per_value

@@ -100,6 +100,19 @@ def _gguf_file_type(path) -> str:
     return gguf.LlamaFileType(int(field.contents())).name if field else "unknown"
 
 
+def prepare(settings) -> None:
+    """Before any work: a cache type llama.cpp would refuse for the converted model is refused here, not after the
+    original has been measured."""
+    if settings.cache_types:
+        from transformers import AutoConfig
+
+        from ..frontier import check_mla_sizes
+
+        config = AutoConfig.from_pretrained(settings.converted)
+        check_mla_sizes(list(settings.cache_types), config.kv_lora_rank, config.qk_rope_head_dim,
+                        f"the converted model (latent {config.kv_lora_rank} + rope {config.qk_rope_head_dim})")
+
+
 def evaluate_pair(settings, windows, tokenizer, dtype, device) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         return {k: evaluate_in_llamacpp(k, path, gguf, settings, windows, tokenizer, tmp)
