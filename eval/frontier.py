@@ -84,7 +84,8 @@ def main() -> None:
         check_mla_types(converted_types)
         for budget in (int(b) for b in args.budgets.split(",")):
             latent = budget - args.rope_dim
-            check_mla_sizes(converted_types, latent, args.rope_dim, f"budget {budget} (latent {latent} + rope {args.rope_dim})")
+            check_mla_sizes(converted_types, latent, args.rope_dim,
+                            f"budget {budget} (latent {latent} + rope {args.rope_dim})")
         budgets_asked = [float(b) for b in args.max_cache_bytes.split(",") if b]
     except (UserError, ValueError) as exc:
         raise SystemExit(f"frontier.py: {exc}") from None
