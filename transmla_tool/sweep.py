@@ -97,8 +97,9 @@ def run_sweep(settings: SweepSettings) -> dict:
         refuse_unservable=False,
     )
     if types is not None and settings.engine == "llamacpp":
-        for r, p in ((r, p) for p in ropes for r in latents):
-            check_mla_sizes(types, r, p, f"latent {r} + rope {p}")
+        for rope in ropes:
+            for r in latents:
+                check_mla_sizes(types, r, rope, f"latent {r} + rope {rope}")
     if len(ropes) > 1:  # every further rope dim checked before the first one converts (the first: by convert_many)
         check_outputs(convert_settings, latents, ropes[1:])
     parents = make_parents(out)
