@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=2_000_000)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro-batches per optimizer step: --batch-size 4 --grad-accum 4 is batch 16 in the "
+                             "memory of 4")
     parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--train", default="attention")
     parser.add_argument("--lm-weight", type=float, default=0.0)
@@ -154,7 +157,8 @@ def main() -> None:
 
     summary = heal(HealSettings(
         model=str(converted), output=str(healed), data=data, teacher=model_dir, teacher_gguf_file=gguf,
-        max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+        max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        lr=args.lr,
         train=args.train, lm_weight=args.lm_weight, cache_type=args.cache_type, eval_data=str(heldout), seed=args.seed,
         eval_every=args.eval_every,
         eval_windows=args.eval_windows, save_every=args.save_every, resume=args.resume, overwrite=not args.resume,

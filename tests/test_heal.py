@@ -94,6 +94,22 @@ def test_resume_equals_uninterrupted(teacher_and_student, text_file, tmp_path):
         assert torch.equal(a[key], b[key]), key
 
 
+def test_gradient_accumulation_is_one_larger_batch(teacher_and_student, text_file, tmp_path):
+    """--batch-size 2 --grad-accum 2 reads the same windows as --batch-size 4 and makes the same optimizer steps:
+    the weights agree to rounding (the way to a batch that does not fit in memory, e.g. batch 16 on a 24 GB CPU)."""
+    teacher, student = teacher_and_student
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    a = heal(_settings(teacher, student, text_file, whole, max_steps=4, eval_every=0))
+    b = heal(_settings(teacher, student, text_file, split, max_steps=4, eval_every=0, batch_size=2, grad_accum=2))
+    assert a["steps"] == b["steps"] == 4 and a["tokens"] == b["tokens"] == 4 * 4 * 64
+    first, second = load_file(whole / "model.safetensors"), load_file(split / "model.safetensors")
+    start = {k: v for shard in Path(student).glob("*.safetensors") for k, v in load_file(shard).items()}
+    moved = [k for k in first if ".self_attn." in k and not torch.equal(first[k], start[k])]
+    assert moved  # the steps did train
+    for key in first:
+        assert rel_err(first[key], second[key]) < 1e-4, key
+
+
 def test_bf16_student_heals_to_bf16_and_prunes_checkpoints(teacher_and_student, text_file, tmp_path):
     """The healed checkpoint keeps the converted checkpoint's dtype (bf16 here), and --save-total-limit
     keeps only the newest checkpoints."""
