@@ -87,6 +87,10 @@ def test_resume_equals_uninterrupted(teacher_and_student, text_file, tmp_path):
         heal(_settings(teacher, student, text_file, resumed, save_every=3), on_step=crash)
     assert not resumed.exists()  # nothing that looks finished
     heal(_settings(teacher, student, text_file, resumed, save_every=3, resume=True))
+    # steps 4 and 5 ran twice (after the step-3 checkpoint, then again on resuming): the log has each step once
+    assert [row["step"] for row in _log(resumed)] == list(range(13))
+    evals = [[row["eval_perplexity"] for row in _log(out) if "eval_perplexity" in row] for out in (straight, resumed)]
+    assert evals[0] == evals[1] and len(evals[0]) == 3
     a = load_file(straight / "model.safetensors")
     b = load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys()
@@ -108,6 +112,20 @@ def test_gradient_accumulation_is_one_larger_batch(teacher_and_student, text_fil
     assert moved  # the steps did train
     for key in first:
         assert rel_err(first[key], second[key]) < 1e-4, key
+
+
+def test_a_killed_run_leaves_no_rows_in_the_next_runs_log(teacher_and_student, text_file, tmp_path):
+    """A process killed before its first checkpoint (SIGKILL, e.g. out of memory: no clean-up runs) leaves its log
+    behind; the next run starts a new log instead of appending to it."""
+    teacher, student = teacher_and_student
+    out = tmp_path / "healed"
+    leftover = Path(f"{out}.ckpt")
+    leftover.mkdir()
+    (leftover / "log.jsonl").write_text('{"step": 0, "tokens": 0, "eval_perplexity": 99.0}\n'
+                                        '{"step": 1, "tokens": 256, "loss": 9.0}\n')
+    heal(_settings(teacher, student, text_file, out, max_steps=2, eval_every=2))
+    rows = _log(out)
+    assert [row["step"] for row in rows] == [0, 1, 2] and rows[0]["eval_perplexity"] != 99.0
 
 
 def test_bf16_student_heals_to_bf16_and_prunes_checkpoints(teacher_and_student, text_file, tmp_path):

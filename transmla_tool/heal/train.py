@@ -168,6 +168,7 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
     if main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         (ckpt_dir / SETTINGS_FILE).write_text(json.dumps(fingerprint(settings, accelerator.num_processes), indent=2))
+        _restart_log(log_path, state["step"] if resume_from is not None else None)
         if eval_windows is not None and state["step"] == 0:
             _log(log_path, {"step": 0, "tokens": 0,
                             "eval_perplexity": evaluate_perplexity(student, eval_windows, accelerator)})
@@ -259,6 +260,21 @@ def evaluate_perplexity(model, windows: torch.Tensor, accelerator) -> float:
 
 def _dir_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+def _restart_log(path: Path, step: int | None) -> None:
+    """The log as of the checkpoint the run starts from (None: a fresh run, an empty log). Rows a killed process
+    wrote after its last checkpoint, or a run killed before its first one, would otherwise stay in the log beside
+    the rows the run writes again, and the reports drawn from it would show both."""
+    if step is None or not path.exists():
+        path.unlink(missing_ok=True)
+        return
+    rows = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row["step"] <= step:
+            rows[row["step"]] = row  # the last one written for a step
+    path.write_text("".join(json.dumps(rows[k]) + "\n" for k in sorted(rows)))
 
 
 def _log(path: Path, row: dict) -> None:
