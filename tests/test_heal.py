@@ -128,6 +128,18 @@ def test_a_killed_run_leaves_no_rows_in_the_next_runs_log(teacher_and_student, t
     assert [row["step"] for row in rows] == [0, 1, 2] and rows[0]["eval_perplexity"] != 99.0
 
 
+def test_a_resumed_log_keeps_the_rows_up_to_its_checkpoint(tmp_path):
+    from transmla_tool.heal.train import _restart_log
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 0, "eval_perplexity": 9.0}\n{"step": 0, "eval_perplexity": 9.0}\n'
+                   '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "loss": 1.4}\n{"step": 4, "lo')
+    _restart_log(log, 2)  # resumed from the step-2 checkpoint; step 3 and a half-written row came after it
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [0, 1, 2]
+    _restart_log(log, None)
+    assert not log.exists()
+
+
 def test_bf16_student_heals_to_bf16_and_prunes_checkpoints(teacher_and_student, text_file, tmp_path):
     """The healed checkpoint keeps the converted checkpoint's dtype (bf16 here), and --save-total-limit
     keeps only the newest checkpoints."""

@@ -271,7 +271,10 @@ def _restart_log(path: Path, step: int | None) -> None:
         return
     rows = {}
     for line in path.read_text().splitlines():
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line the kill cut short
+            continue
         if row["step"] <= step:
             rows[row["step"]] = row  # the last one written for a step
     path.write_text("".join(json.dumps(rows[k]) + "\n" for k in sorted(rows)))
