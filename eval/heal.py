@@ -158,10 +158,9 @@ def main() -> None:
     summary = heal(HealSettings(
         model=str(converted), output=str(healed), data=data, teacher=model_dir, teacher_gguf_file=gguf,
         max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
-        lr=args.lr,
-        train=args.train, lm_weight=args.lm_weight, cache_type=args.cache_type, eval_data=str(heldout), seed=args.seed,
-        eval_every=args.eval_every,
-        eval_windows=args.eval_windows, save_every=args.save_every, resume=args.resume, overwrite=not args.resume,
+        lr=args.lr, train=args.train, lm_weight=args.lm_weight, cache_type=args.cache_type, eval_data=str(heldout),
+        seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows, save_every=args.save_every,
+        resume=args.resume, overwrite=not args.resume,
     ))
     rows = [json.loads(line) for line in (Path(f"{healed}.ckpt") / "log.jsonl").read_text().splitlines()]
     scored = f"held-out {heldout.name}" if args.data.startswith("mix-") else "held-out news"
