@@ -77,11 +77,15 @@ def main() -> None:
     parser.add_argument("--frontier-chunks", type=int, default=16, help="llama-perplexity windows of 512 tokens")
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--save-every", type=int, default=25)
+    parser.add_argument("--save-total-limit", type=int, default=2,
+                        help="resumable checkpoints kept, the newest (each holds the trained tensors and their "
+                        "optimizer state: ~390 MB for SmolLM2's attention at fp32)")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--rebalance", default=None, choices=["partial", "energy"],
                         help="also place the conversion and the healed model with their rotary keys brought to this "
-                        "balance after the fact (`transmla-tool rebalance`, measured on the run's calibration text), as "
-                        "extra rows (the same model again when the conversion already carries it, as the default does)")
+                        "balance after the fact (`transmla-tool rebalance`, measured on the run's calibration text), "
+                        "as extra rows (the same model again when the conversion already carries it, as the default "
+                        "does)")
     parser.add_argument("--device", default="auto",
                         help="where the conversion, the reference perplexity and the rebalancing run (auto: a GPU when "
                         "there is one); the healing itself runs where accelerate puts it")
@@ -91,6 +95,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.frontier_only and not args.cache_types:
         raise SystemExit("--frontier-only needs --cache-types")
+    for name in ("batch_size", "grad_accum", "save_total_limit"):  # not after the minutes of conversion
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     budget = args.latent_dim + args.rope_dim  # cached values per token per layer
     healed = Path(args.output_dir) / f"healed-{budget}"
     if args.frontier_only and not (healed / "healing.json").exists():
@@ -160,7 +167,7 @@ def main() -> None:
         max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
         lr=args.lr, train=args.train, lm_weight=args.lm_weight, cache_type=args.cache_type, eval_data=str(heldout),
         seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows, save_every=args.save_every,
-        resume=args.resume, overwrite=not args.resume,
+        save_total_limit=args.save_total_limit, resume=args.resume, overwrite=not args.resume,
     ))
     rows = [json.loads(line) for line in (Path(f"{healed}.ckpt") / "log.jsonl").read_text().splitlines()]
     scored = f"held-out {heldout.name}" if args.data.startswith("mix-") else "held-out news"

@@ -152,6 +152,14 @@ def test_heal_benchmark_refuses_a_bad_device_before_any_work(tmp_path):
     assert not (tmp_path / "heal").exists()
 
 
+@pytest.mark.parametrize("flag", ["--batch-size", "--grad-accum", "--save-total-limit"])
+def test_heal_benchmark_refuses_a_count_below_one_before_any_work(tmp_path, flag):
+    run = _heal_script("--output-dir", str(tmp_path / "heal"), flag, "0")
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1] == f"{flag} must be >= 1, got 0"
+    assert not (tmp_path / "heal").exists()
+
+
 def test_heal_run_keeps_the_text_it_started_with(tmp_path):
     """A run's data/ is written once and then read, not rewritten: a run resumed or rescored under another Python
     (whose standard library is the code and docs text) keeps its text."""
