@@ -106,6 +106,12 @@ def test_gradient_accumulation_is_one_larger_batch(teacher_and_student, text_fil
     a = heal(_settings(teacher, student, text_file, whole, max_steps=4, eval_every=0))
     b = heal(_settings(teacher, student, text_file, split, max_steps=4, eval_every=0, batch_size=2, grad_accum=2))
     assert a["steps"] == b["steps"] == 4 and a["tokens"] == b["tokens"] == 4 * 4 * 64
+    # each step logs the loss of its whole batch: the mean over the micro-batches, not the last one's
+    steps = [[row for row in _log(out) if "loss" in row] for out in (whole, split)]
+    assert len(steps[0]) == 4
+    for row, split_row in zip(*steps, strict=True):
+        assert abs(row["loss"] - split_row["loss"]) < 1e-4 * row["loss"], (row, split_row)
+        assert row["kd"] == row["loss"] and split_row["kd"] == split_row["loss"]
     first, second = load_file(whole / "model.safetensors"), load_file(split / "model.safetensors")
     start = {k: v for shard in Path(student).glob("*.safetensors") for k, v in load_file(shard).items()}
     moved = [k for k in first if ".self_attn." in k and not torch.equal(first[k], start[k])]

@@ -182,6 +182,7 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
     steady_seconds, steady_tokens, first_step = 0.0, 0, True
     while state["step"] < total_steps:
         step_start = time.perf_counter()
+        losses = torch.zeros(3, device=accelerator.device)  # (total, kd, lm) summed over the step's micro-batches
         for _ in range(settings.grad_accum):
             ids = next(batches).to(accelerator.device)
             state["batches"] += 1
@@ -193,6 +194,7 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
                     with torch.no_grad():
                         teacher_logits = teacher(inputs).logits
                 loss, kd, lm = distill_loss(logits, teacher_logits, labels, settings)
+                losses += torch.stack([loss.detach(), kd, lm])
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(trainable, 1.0)
@@ -200,16 +202,16 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
                 if accelerator.sync_gradients:
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-        loss_value = float(loss.detach())  # waits for the step to finish on a GPU
+        # the step's loss: the mean over its micro-batches and processes (waits for the step to finish on a GPU)
+        loss_value, kd, lm = (float(v) for v in accelerator.reduce(losses, "mean") / settings.grad_accum)
         state["step"] += 1
         state["tokens"] += per_step
         if not first_step:  # the first step of a process pays one-off set-up costs: not steady state
             steady_seconds += time.perf_counter() - step_start
             steady_tokens += per_step
         first_step = False
-        metrics = {"step": state["step"], "tokens": state["tokens"], "loss": loss_value, "kd": float(kd),
-                   "lm": float(lm), "lr": scheduler.get_last_lr()[0],
-                   "tokens_per_s": steady_tokens / steady_seconds if steady_seconds else None}
+        metrics = {"step": state["step"], "tokens": state["tokens"], "loss": loss_value, "kd": kd, "lm": lm,
+                   "lr": scheduler.get_last_lr()[0], "tokens_per_s": steady_tokens / steady_seconds if steady_seconds else None}
         bar.update(1)
         if metrics["tokens_per_s"]:
             bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
