@@ -204,7 +204,8 @@ def save_ratio_plot(fig, ax, path: Path) -> None:
     ax.set_xlabel("KV cache fraction of the original")
     ax.set_ylabel("perplexity ratio (converted / original)")
     ax.set_yscale("log")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # a plot with no labelled line has no legend to draw
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

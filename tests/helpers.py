@@ -40,4 +40,4 @@ def reference_logits(source_dir, natural: dict, output_dir, ids) -> torch.Tensor
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+    return float((a - b).detach().norm() / b.detach().norm())
