@@ -211,7 +211,8 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
             steady_tokens += per_step
         first_step = False
         metrics = {"step": state["step"], "tokens": state["tokens"], "loss": loss_value, "kd": kd, "lm": lm,
-                   "lr": scheduler.get_last_lr()[0], "tokens_per_s": steady_tokens / steady_seconds if steady_seconds else None}
+                   "lr": scheduler.get_last_lr()[0],
+                   "tokens_per_s": steady_tokens / steady_seconds if steady_seconds else None}
         bar.update(1)
         if metrics["tokens_per_s"]:
             bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
