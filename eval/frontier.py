@@ -118,7 +118,8 @@ def main() -> None:
                                  flags=[*run_flags, *cache_flags(entry)])
                 row.update(perplexity=ppl["perplexity"], chunks=ppl["chunks"], ctx=args.ctx,
                            bytes=ppl["kv_bytes_per_token_per_layer"], kv_cells=ppl["kv_cells"], kv_layers=ppl["kv_layers"],
-                           analytic_bytes=analytic(entry), engine=version)
+                           analytic_bytes=analytic(entry), engine=version, cpu_kernels=ppl["cpu_kernels"])
+                check_same_engine(rows, results, row)
                 _check_bytes(row)
                 _append(results, row)
                 done.add(_key(row))
@@ -175,6 +176,17 @@ def unseen(source: str) -> list[str]:
     if source.startswith("mix-"):
         return [source[4:]]
     return [d for d in DOMAINS if d != source and source != "mix"]
+
+
+def check_same_engine(rows: list[dict], results: Path, row: dict) -> None:
+    """Refuse to add a score from another llama.cpp build, or from the same source built for other CPU kernels, to
+    rows that a frontier divides by one another: a quantized cache's perplexity moves between them (SmolLM2, docs,
+    iq4_nl: 10.5351 on one machine's native build, 10.5769 on another's)."""
+    for earlier in rows:
+        if (earlier.get("engine"), earlier.get("cpu_kernels")) != (row["engine"], row["cpu_kernels"]):
+            raise SystemExit(f"{results} holds rows scored by {earlier.get('engine')} on CPU kernels "
+                             f"{earlier.get('cpu_kernels', '(not recorded)')}; this is {row['engine']} on "
+                             f"{row['cpu_kernels']}: scores of two builds are not comparable, use a new --output-dir")
 
 
 def _key(row: dict) -> tuple:
@@ -234,7 +246,8 @@ def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | No
     if not rows:
         raise SystemExit(f"{out / 'frontier.jsonl'} holds no rows yet")
     reference = next((r["bytes"] for r in rows if r["model"] == "original" and r["cache"] == "f16"), None)
-    engine = next((r["engine"] for r in rows if "engine" in r), "llama.cpp")
+    engine = next((r["engine"] + (f", CPU kernels {r['cpu_kernels']}" if "cpu_kernels" in r else "")
+                   for r in rows if "engine" in r), "llama.cpp")
     calibs = list(dict.fromkeys(r["calib"] for r in rows if r["model"] == "converted")) or ["news"]
     lines = [f"# Quality per KV-cache byte (SmolLM2-135M in {engine})", ""]
     mismatched = [r for r in rows if not r.get("bytes_match_analytic", True)]

@@ -225,24 +225,33 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
     the types scored before and adds these."""
     import tempfile
 
+    from transmla_tool.engines.llamacpp import llama_cpp_version
     from transmla_tool.evaluate.frontier import Point, markdown_table, score_in_llamacpp
 
     text = out / "heldout.txt"
     text.write_text("\n\n".join(json.loads(line)["text"] for line in heldout.read_text().splitlines() if line.strip()))
     with tempfile.TemporaryDirectory() as tmp:
         scored = score_in_llamacpp(model_dir, gguf, checkpoints, text, 512, chunks, cache_types, cache_types, tmp)
+    engine = {"version": llama_cpp_version(),
+              "cpu_kernels": sorted({m["cpu_kernels"] for types in scored.values() for m in types.values()})}
     earlier = json.loads((out / "frontier.json").read_text()) if (out / "frontier.json").exists() else {}
-    # keep the cache types scored before (a rerun adds types, it does not drop them)
-    if earlier.get("chunks") == chunks:
+    # keep the cache types scored before (a rerun adds types, it does not drop them), but only when the same
+    # llama.cpp build on the same CPU kernels scored them: a quantized cache's perplexity moves between builds
+    if earlier.get("chunks") == chunks and earlier.get("engine") == engine:
         for key, types in scored.items():
             earlier["scored"].setdefault(key, {}).update(types)
         scored = earlier["scored"]
+    elif earlier:
+        print(f"note: {out / 'frontier.json'} was scored by {earlier.get('engine', 'an unrecorded llama.cpp build')} "
+              f"with {earlier.get('chunks')} windows; this is {engine} with {chunks}: its scores are replaced, not "
+              "merged (a rerun scores every cache type it should keep)")
     reference = scored["original"]["f16"]["perplexity"]
     points = [Point(label=key, kind="original" if key == "original" else "converted", cache=entry,
                     bytes=round(m["bytes"], 1), ratio=m["perplexity"] / reference)
               for key, types in scored.items() for entry, m in types.items()]
-    (out / "frontier.json").write_text(json.dumps({"scored": scored, "chunks": chunks}, indent=2))
+    (out / "frontier.json").write_text(json.dumps({"scored": scored, "chunks": chunks, "engine": engine}, indent=2))
     lines = ["", f"## Where it lands: llama.cpp perplexity on {heldout.name} per cache byte ({chunks} windows of 512)",
+             "", f"({engine['version']}; CPU kernels {', '.join(engine['cpu_kernels'])})",
              "", *markdown_table(points, scored["original"]["f16"]["bytes"])]
     with open(out / "heal.md", "a") as f:
         f.write("\n".join(lines) + "\n")

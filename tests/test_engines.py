@@ -463,6 +463,9 @@ def test_eval_in_llamacpp_cache_types(tmp_path, monkeypatch):
     for key, size in expected.items():
         assert rows[key]["bytes_per_token_per_layer"] == pytest.approx(size, abs=1.0), key
     assert ("converted", "q8_0/q4_0") not in rows  # MLA in llama.cpp: one type for its one cached row
+    # the CPU kernels llama.cpp printed are recorded with its scores (a quantized cache's perplexity moves with them)
+    kernels = report["environment"]["engine_cpu_kernels"]
+    assert kernels not in ("", "unknown") and f"CPU kernels {kernels}" in (tmp_path / "report" / "report.md").read_text()
     assert rows[("original", "f16")]["ratio"] == 1.0
     q8, q4 = rows[("converted", "q8_0")]["perplexity"], rows[("converted", "q4_0")]["perplexity"]
     f16 = report["perplexity"]["converted"]  # the default (f16) cache, flash attention off

@@ -201,28 +201,63 @@ def test_heal_frontier_only_adds_cache_types_to_a_finished_run(tmp_path, monkeyp
     and gains the new ones (the engine is a stand-in here; the llama.cpp scoring is tested in test_engines.py)."""
     import json
 
+    import transmla_tool.engines.llamacpp as llamacpp
     import transmla_tool.evaluate.frontier as frontier
 
     heal_script = _eval_module("heal")
     out, heldout = tmp_path / "run", tmp_path / "heldout.jsonl"
     out.mkdir()
     heldout.write_text(json.dumps({"text": "held-out words"}) + "\n")
-    before = {"original": {"f16": {"perplexity": 10.0, "bytes": 768.0, "chunks": 16}},
-              "healed 8 tokens": {"q4_0": {"perplexity": 12.4, "bytes": 108.0, "chunks": 16}}}
-    (out / "frontier.json").write_text(json.dumps({"scored": before, "chunks": 16}))
+    kernels = "SSE3 AVX AVX2"
+    before = {"original": {"f16": {"perplexity": 10.0, "bytes": 768.0, "chunks": 16, "cpu_kernels": kernels}},
+              "healed 8 tokens": {"q4_0": {"perplexity": 12.4, "bytes": 108.0, "chunks": 16, "cpu_kernels": kernels}}}
+    engine = {"version": "llama.cpp test", "cpu_kernels": [kernels]}
+    (out / "frontier.json").write_text(json.dumps({"scored": before, "chunks": 16, "engine": engine}))
+    new = {"perplexity": 12.1, "bytes": 108.0, "chunks": 16, "cpu_kernels": kernels}
 
     def score(original, gguf, checkpoints, text, ctx, chunks, original_types, converted_types, tmp):
         assert list(checkpoints) == ["healed 8 tokens"] and converted_types == ["iq4_nl"]
-        return {"original": {"f16": {"perplexity": 10.0, "bytes": 768.0, "chunks": 16}},
-                "healed 8 tokens": {"iq4_nl": {"perplexity": 12.1, "bytes": 108.0, "chunks": 16}}}
+        return {"original": {"f16": before["original"]["f16"]}, "healed 8 tokens": {"iq4_nl": new}}
 
     monkeypatch.setattr(frontier, "score_in_llamacpp", score)
+    monkeypatch.setattr(llamacpp, "llama_cpp_version", lambda: "llama.cpp test")
     heal_script.place_on_frontier(out, "model", "model.gguf", {"healed 8 tokens": out / "healed"}, heldout,
                                   ["iq4_nl"], 16)
     scored = json.loads((out / "frontier.json").read_text())["scored"]
-    assert scored["healed 8 tokens"] == {"q4_0": before["healed 8 tokens"]["q4_0"],
-                                         "iq4_nl": {"perplexity": 12.1, "bytes": 108.0, "chunks": 16}}
+    assert scored["healed 8 tokens"] == {"q4_0": before["healed 8 tokens"]["q4_0"], "iq4_nl": new}
     assert "| healed 8 tokens | iq4_nl |" in (out / "heal.md").read_text()
+    assert "(llama.cpp test; CPU kernels SSE3 AVX AVX2)" in (out / "heal.md").read_text()
+
+
+def test_heal_frontier_only_never_merges_scores_of_another_llama_cpp_build(tmp_path, monkeypatch, capsys):
+    """A quantized cache's perplexity moves between llama.cpp builds (their CPU kernels): scores in frontier.json
+    from another build, or from before builds were recorded, are replaced by the rerun's, never put beside them."""
+    import json
+
+    import transmla_tool.engines.llamacpp as llamacpp
+    import transmla_tool.evaluate.frontier as frontier
+
+    heal_script = _eval_module("heal")
+    out, heldout = tmp_path / "run", tmp_path / "heldout.jsonl"
+    out.mkdir()
+    heldout.write_text(json.dumps({"text": "held-out words"}) + "\n")
+    old = {"perplexity": 12.4, "bytes": 108.0, "chunks": 16}
+    now = {"perplexity": 12.5, "bytes": 108.0, "chunks": 16, "cpu_kernels": "SSE3 AVX AVX2"}
+    monkeypatch.setattr(llamacpp, "llama_cpp_version", lambda: "llama.cpp test")
+    monkeypatch.setattr(frontier, "score_in_llamacpp", lambda *a, **k: {
+        "original": {"f16": {**now, "perplexity": 10.0, "bytes": 768.0}}, "healed 8 tokens": {"iq4_nl": now}})
+    for earlier_engine in (None, {"version": "llama.cpp test", "cpu_kernels": ["SSE3 AVX AVX2 AVX512"]}):
+        earlier = {"scored": {"original": {"f16": {**old, "perplexity": 10.0, "bytes": 768.0}},
+                              "healed 8 tokens": {"q4_0": old}}, "chunks": 16}
+        if earlier_engine:
+            earlier["engine"] = earlier_engine
+        (out / "frontier.json").write_text(json.dumps(earlier))
+        heal_script.place_on_frontier(out, "model", "model.gguf", {"healed 8 tokens": out / "healed"}, heldout,
+                                      ["iq4_nl"], 16)
+        written = json.loads((out / "frontier.json").read_text())
+        assert written["scored"]["healed 8 tokens"] == {"iq4_nl": now}
+        assert written["engine"] == {"version": "llama.cpp test", "cpu_kernels": ["SSE3 AVX AVX2"]}
+        assert "its scores are replaced, not merged" in capsys.readouterr().out
 
 
 def test_heal_rebalanced_rows(make_model, convert_tiny, text_file, tmp_path):
@@ -353,6 +388,19 @@ def test_frontier_tables_take_the_worst_unseen_domain(tmp_path, monkeypatch):
     assert frontier.unseen("news") == ["forum", "code", "docs"]
 
 
+def test_frontier_refuses_to_add_scores_of_another_llama_cpp_build(tmp_path):
+    """A resumed frontier run takes a new score only from the build and CPU kernels its rows were scored by."""
+    check = _eval_module("frontier").check_same_engine
+    results = tmp_path / "frontier.jsonl"
+    rows = [{**row, "engine": "llama.cpp 1 (abc)", "cpu_kernels": "SSE3 AVX AVX2"} for row in _frontier_rows()]
+    check(rows, results, {"engine": "llama.cpp 1 (abc)", "cpu_kernels": "SSE3 AVX AVX2"})  # the same build: taken
+    for engine, kernels in (("llama.cpp 1 (abc)", "SSE3 AVX AVX2 AVX512"), ("llama.cpp 2 (def)", "SSE3 AVX AVX2")):
+        with pytest.raises(SystemExit, match="scores of two builds are not comparable, use a new --output-dir"):
+            check(rows, results, {"engine": engine, "cpu_kernels": kernels})
+    with pytest.raises(SystemExit, match=r"on CPU kernels \(not recorded\)"):  # rows from before they were recorded
+        check(_frontier_rows(), results, {"engine": "llama.cpp 1 (abc)", "cpu_kernels": "SSE3 AVX AVX2"})
+
+
 def test_frontier_refuses_bad_cache_types_before_any_work(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "eval" / "frontier.py"), "--output-dir", str(tmp_path / "f"),
                           "--cache-types", "q8_0/q4_0"], capture_output=True, text=True, timeout=120)
@@ -371,13 +419,17 @@ def test_heal_benchmark_places_its_checkpoints_on_the_frontier(tmp_path, monkeyp
     import json
 
     heal_script = _eval_module("heal")
-    scored = {"original": {"f16": {"perplexity": 10.0, "bytes": 768.0}, "q4_0": {"perplexity": 10.6, "bytes": 216.0}},
-              "converted": {"f16": {"perplexity": 12.0, "bytes": 384.0}, "q4_0": {"perplexity": 12.5, "bytes": 108.0}},
-              "healed 4096 tokens": {"f16": {"perplexity": 11.0, "bytes": 384.0},
-                                     "q4_0": {"perplexity": 11.4, "bytes": 108.0}}}
+    ppl = {("original", "f16"): (10.0, 768.0), ("original", "q4_0"): (10.6, 216.0), ("converted", "f16"): (12.0, 384.0),
+           ("converted", "q4_0"): (12.5, 108.0), ("healed 4096 tokens", "f16"): (11.0, 384.0),
+           ("healed 4096 tokens", "q4_0"): (11.4, 108.0)}
+    scored = {}
+    for (model, cache), (perplexity, size) in ppl.items():
+        scored.setdefault(model, {})[cache] = {"perplexity": perplexity, "bytes": size, "cpu_kernels": "AVX AVX2"}
+    import transmla_tool.engines.llamacpp as llamacpp
     import transmla_tool.evaluate.frontier as frontier
 
     monkeypatch.setattr(frontier, "score_in_llamacpp", lambda *a, **k: scored)
+    monkeypatch.setattr(llamacpp, "llama_cpp_version", lambda: "llama.cpp test")
     heldout = tmp_path / "held.jsonl"
     heldout.write_text(json.dumps({"text": "a b c"}) + "\n")
     (tmp_path / "heal.md").write_text("# Healing\n")

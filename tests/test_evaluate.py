@@ -207,7 +207,7 @@ def test_eval_in_llamacpp_passes_the_export_run_flags(converted_pair, text_file,
     monkeypatch.setattr(gguf_export, "export_gguf", lambda s: {"run_flags": flags})
     monkeypatch.setattr(llamacpp, "perplexity", lambda *a, **k: seen.update(flags=k.get("flags")) or {
         "perplexity": 10.0, "chunks": 2, "kv_cache_mib": 1.0, "kv_cells": 64, "kv_layers": 2,
-        "kv_bytes_per_token_per_layer": 48.0})
+        "kv_bytes_per_token_per_layer": 48.0, "cpu_kernels": "SSE3 AVX AVX2"})
     monkeypatch.setattr(llamacpp, "decode_speed", lambda *a, **k: {"tokens_per_s": 5.0, "build": "x"})
     monkeypatch.setattr(llamacpp, "llama_cpp_version", lambda: "llama.cpp test")
     monkeypatch.setattr(engine_module(), "_gguf_file_type", lambda path: "ALL_F32")
@@ -217,7 +217,7 @@ def test_eval_in_llamacpp_passes_the_export_run_flags(converted_pair, text_file,
     result = evaluate_in_llamacpp("converted", str(out), None, settings, torch.randint(3, 300, (2, 64)), tokenizer,
                                   str(tmp_path))
     assert seen["flags"] == flags and result["engine"]["run_flags"] == flags
-    assert result["engine"]["version"] == "llama.cpp test"
+    assert result["engine"]["version"] == "llama.cpp test" and result["engine"]["cpu_kernels"] == "SSE3 AVX AVX2"
 
 
 def engine_module():

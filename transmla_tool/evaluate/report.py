@@ -18,6 +18,15 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def _engine_line(env: dict) -> list[str]:
+    """The serving engine that measured, when not transformers; llama.cpp's with the CPU kernels it was built for
+    (a quantized cache's perplexity moves with them)."""
+    if env.get("engine", "transformers") == "transformers":
+        return []
+    kernels = f", CPU kernels {env['engine_cpu_kernels']}" if "engine_cpu_kernels" in env else ""
+    return [f"- engine: {env['engine']}{kernels}"]
+
+
 def markdown(report: dict) -> str:
     ppl, cache = report["perplexity"], report["kv_cache"]
     vals = cache["values_per_token_per_layer"]
@@ -29,6 +38,7 @@ def markdown(report: dict) -> str:
         f"- device {report['environment']['device']}, dtype {report['environment']['dtype']}, "
         f"torch {report['environment']['torch']}, transformers {report['environment']['transformers']}, "
         f"{report['environment']['wall_time_s']} s",
+        *_engine_line(report["environment"]),
         "",
         f"## Perplexity ({ppl['tokens']} tokens of `{ppl['data']}`, windows of {ppl['seq_len']})",
         "",

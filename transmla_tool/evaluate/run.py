@@ -218,6 +218,8 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
         "transformers": transformers.__version__, "threads": torch.get_num_threads(),
         "wall_time_s": round(seconds, 1),
     }
+    if settings.engine != "transformers" and "cpu_kernels" in conv["engine"]:  # llama.cpp's numbers depend on them
+        report["environment"]["engine_cpu_kernels"] = conv["engine"]["cpu_kernels"]
     return report
 
 

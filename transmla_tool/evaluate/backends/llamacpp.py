@@ -58,7 +58,8 @@ def evaluate_in_llamacpp(name: str, path: str, gguf_file: str | None, settings, 
     out = model_entry(path, gguf_file, config)
     layers, per_token_layer = out["num_layers"], out["values_per_token_per_layer"]
     out.update({
-        "engine": {"name": "llama.cpp", "version": llama_cpp_version(), "gguf": str(model_file), "run_flags": run_flags,
+        "engine": {"name": "llama.cpp", "version": llama_cpp_version(), "cpu_kernels": ppl["cpu_kernels"],
+                   "gguf": str(model_file), "run_flags": run_flags,
                    "file_type": _gguf_file_type(model_file),
                    "kv_cache": {k: ppl[k] for k in ("kv_cache_mib", "kv_cells", "kv_layers",
                                                      "kv_bytes_per_token_per_layer")}},
