@@ -29,6 +29,7 @@ VLLM_STAMP := $(ENGINES)/vllm/.installed
 LLAMA_CPP_STAMP := $(ENGINES)/llama.cpp/.built
 # what the build was made from and with: a change rebuilds it (a cached build of other flags is not reused)
 LLAMA_CPP_RECIPE := $(ENGINES)/llama.cpp-recipe
+LLAMA_CPP_RECIPE_TEXT := $(LLAMA_CPP_SDIST) sdist, cmake $(LLAMA_CPP_CMAKE_FLAGS)
 
 .PHONY: setup demo test test-fast test-engines test-oldest engines clean clean-engines FORCE
 
@@ -59,8 +60,7 @@ $(VLLM_STAMP):
 
 $(LLAMA_CPP_RECIPE): FORCE
 	@mkdir -p $(ENGINES)
-	@echo "$(LLAMA_CPP_SDIST) sdist, cmake $(LLAMA_CPP_CMAKE_FLAGS)" | cmp -s - $@ || \
-	    echo "$(LLAMA_CPP_SDIST) sdist, cmake $(LLAMA_CPP_CMAKE_FLAGS)" > $@
+	@echo "$(LLAMA_CPP_RECIPE_TEXT)" | cmp -s - $@ || echo "$(LLAMA_CPP_RECIPE_TEXT)" > $@
 
 $(LLAMA_CPP_STAMP): $(LLAMA_CPP_RECIPE)
 	rm -rf $(ENGINES)/llama.cpp $(ENGINES)/sdist && mkdir -p $(ENGINES)/sdist
