@@ -22,3 +22,19 @@ def test_make_test_runs_the_oldest_suite():
     makefile = (ROOT / "Makefile").read_text()
     recipe = makefile.split("\ntest:", 1)[1].split("\n\n", 1)[0]
     assert "test-oldest" in recipe
+
+
+def test_oldest_run_still_serves_a_checkpoint_in_each_engine():
+    """The oldest-transformers run selects by marker: it must still pick an engine check of vLLM and of llama.cpp
+    (a dropped or renamed `oldest` mark would leave it serving nothing, silently)."""
+    import subprocess
+    import sys
+
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\ntest-oldest:", 1)[1].split("\n\n", 1)[0]
+    selection = re.search(r'-m "([^"]+)"', recipe)
+    assert selection, "test-oldest selects no marker expression"
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", selection.group(1),
+                             str(ROOT / "tests" / "test_engines.py")], capture_output=True, text=True, cwd=ROOT)
+    tests = [line for line in listed.stdout.splitlines() if "::" in line]
+    assert any("test_vllm_" in t for t in tests) and any("test_llamacpp_" in t for t in tests), listed.stdout
