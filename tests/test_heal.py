@@ -72,6 +72,25 @@ def test_healing_reduces_loss_and_exports_stock(teacher_and_student, text_file, 
         assert rel_err(stock(ids).logits, natural(ids, use_cache=False).logits) < 1e-5
 
 
+def test_train_all_heals_the_mlp_and_embeddings_too(teacher_and_student, text_file, tmp_path):
+    """`--train all`: every parameter is trained (MLP, embeddings and head with the attention), the checkpoint holds
+    them all, and the export carries the trained MLP, not the converted one."""
+    teacher, student = teacher_and_student
+    out = tmp_path / "healed-all"
+    heal(_settings(teacher, student, text_file, out, train="all", max_steps=4, save_every=2, eval_every=0))
+    trained = load_file(Path(f"{out}.ckpt") / "step-2" / "trainable.safetensors")
+    natural = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).eval()
+    to_natural(natural)
+    assert set(trained) == {name for name, _ in natural.named_parameters()}
+    before = dict(natural.named_parameters())
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
+        assert not torch.equal(trained[name], before[name]), name
+    exported = load_file(out / "model.safetensors")
+    converted = load_file(Path(student) / "model.safetensors")
+    assert not torch.equal(exported["model.layers.0.mlp.down_proj.weight"],
+                           converted["model.layers.0.mlp.down_proj.weight"])
+
+
 def test_resume_equals_uninterrupted(teacher_and_student, text_file, tmp_path):
     teacher, student = teacher_and_student
     straight = tmp_path / "straight"
