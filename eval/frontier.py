@@ -34,6 +34,7 @@ from quality import _append, _read, check_resumable, made_with, parse_config, re
 
 from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
 from transmla_tool.convert import ConvertSettings, convert_many  # noqa: E402
+from transmla_tool.engines.llamacpp import build_label  # noqa: E402
 from transmla_tool.errors import UserError  # noqa: E402
 from transmla_tool.evaluate.frontier import (  # noqa: E402
     DEFAULT_CONVERTED_TYPES,
@@ -246,8 +247,7 @@ def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | No
     if not rows:
         raise SystemExit(f"{out / 'frontier.jsonl'} holds no rows yet")
     reference = next((r["bytes"] for r in rows if r["model"] == "original" and r["cache"] == "f16"), None)
-    engine = next((r["engine"] + (f", CPU kernels {r['cpu_kernels']}" if "cpu_kernels" in r else "")
-                   for r in rows if "engine" in r), "llama.cpp")
+    engine = next((build_label(r["engine"], r.get("cpu_kernels")) for r in rows if "engine" in r), "llama.cpp")
     calibs = list(dict.fromkeys(r["calib"] for r in rows if r["model"] == "converted")) or ["news"]
     lines = [f"# Quality per KV-cache byte (SmolLM2-135M in {engine})", ""]
     mismatched = [r for r in rows if not r.get("bytes_match_analytic", True)]

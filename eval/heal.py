@@ -225,7 +225,7 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
     the types scored before and adds these."""
     import tempfile
 
-    from transmla_tool.engines.llamacpp import llama_cpp_version
+    from transmla_tool.engines.llamacpp import build_label, llama_cpp_version
     from transmla_tool.evaluate.frontier import Point, markdown_table, score_in_llamacpp
 
     text = out / "heldout.txt"
@@ -251,7 +251,7 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
               for key, types in scored.items() for entry, m in types.items()]
     (out / "frontier.json").write_text(json.dumps({"scored": scored, "chunks": chunks, "engine": engine}, indent=2))
     lines = ["", f"## Where it lands: llama.cpp perplexity on {heldout.name} per cache byte ({chunks} windows of 512)",
-             "", f"({engine['version']}; CPU kernels {', '.join(engine['cpu_kernels'])})",
+             "", f"({build_label(engine['version'], engine['cpu_kernels'])})",
              "", *markdown_table(points, scored["original"]["f16"]["bytes"])]
     with open(out / "heal.md", "a") as f:
         f.write("\n".join(lines) + "\n")

@@ -226,7 +226,7 @@ def test_heal_frontier_only_adds_cache_types_to_a_finished_run(tmp_path, monkeyp
     scored = json.loads((out / "frontier.json").read_text())["scored"]
     assert scored["healed 8 tokens"] == {"q4_0": before["healed 8 tokens"]["q4_0"], "iq4_nl": new}
     assert "| healed 8 tokens | iq4_nl |" in (out / "heal.md").read_text()
-    assert "(llama.cpp test; CPU kernels SSE3 AVX AVX2)" in (out / "heal.md").read_text()
+    assert "(llama.cpp test, CPU kernels SSE3 AVX AVX2)" in (out / "heal.md").read_text()
 
 
 def test_heal_frontier_only_never_merges_scores_of_another_llama_cpp_build(tmp_path, monkeypatch, capsys):

@@ -15,6 +15,7 @@ from transmla_tool.data import token_windows
 from transmla_tool.evaluate.models import load_tokenizer
 from transmla_tool.evaluate.perplexity import perplexity
 from transmla_tool.methods import resolve_method
+from transmla_tool.runtime.cache_args import cache_keyword
 
 pytestmark = pytest.mark.slow
 
@@ -98,10 +99,10 @@ def test_absorbed_decode_equals_stock_on_smollm2(smollm2_converted):
 
     def decode():
         cache = DynamicCache(config=model.config)
-        res = model(ids, past_key_values=cache, use_cache=True)
+        res = model(ids, **{cache_keyword(model): cache}, use_cache=True)
         logits, token = [res.logits[:, -1]], res.logits[:, -1:].argmax(-1)
         for _ in range(8):
-            res = model(token, past_key_values=res.past_key_values, use_cache=True)
+            res = model(token, **{cache_keyword(model): res.past_key_values}, use_cache=True)
             logits.append(res.logits[:, -1])
             token = res.logits[:, -1:].argmax(-1)
         return torch.cat(logits)

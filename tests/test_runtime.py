@@ -10,19 +10,20 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from helpers import rel_err
 from transmla_tool.runtime.absorbed import absorb, is_absorbed, latent_steps, restore
+from transmla_tool.runtime.cache_args import cache_keyword
 
 
 def _decode_logits(model, ids, steps: int, attention_mask=None):
     """Prefill ids (B, T) then feed `steps` greedy tokens one at a time; logits of every step."""
     cache = DynamicCache(config=model.config)
-    out = model(ids, past_key_values=cache, use_cache=True, attention_mask=attention_mask)
+    out = model(ids, **{cache_keyword(model): cache}, use_cache=True, attention_mask=attention_mask)
     logits = [out.logits[:, -1]]
     token = out.logits[:, -1:].argmax(-1)
     mask = attention_mask
     for _ in range(steps):
         if mask is not None:
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        out = model(token, past_key_values=out.past_key_values, use_cache=True, attention_mask=mask)
+        out = model(token, **{cache_keyword(model): out.past_key_values}, use_cache=True, attention_mask=mask)
         logits.append(out.logits[:, -1])
         token = out.logits[:, -1:].argmax(-1)
     return torch.stack(logits, 1), out.past_key_values
@@ -78,7 +79,7 @@ def test_absorbed_padded_batch_and_chunks(make_model, convert_tiny):
         seen = 0
         for chunk in chunks:
             seen += chunk.shape[1]
-            res = model(chunk, past_key_values=cache, use_cache=True, attention_mask=mask[:, :seen])
+            res = model(chunk, **{cache_keyword(model): cache}, use_cache=True, attention_mask=mask[:, :seen])
             cache = res.past_key_values
             outs.append(res.logits)
         steps, _ = _decode_logits_from(model, cache, res.logits, mask, 4)
@@ -100,7 +101,7 @@ def _decode_logits_from(model, cache, logits, mask, steps):
     collected = []
     for _ in range(steps):
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        res = model(token, past_key_values=cache, use_cache=True, attention_mask=mask)
+        res = model(token, **{cache_keyword(model): cache}, use_cache=True, attention_mask=mask)
         cache = res.past_key_values
         collected.append(res.logits[:, -1])
         token = res.logits[:, -1:].argmax(-1)
@@ -169,7 +170,8 @@ def test_cache_found_whatever_its_keyword(make_model, convert_tiny, keyword):
     with torch.no_grad():
         cache = model(ids[:, :5], use_cache=True).past_key_values  # stock prefill
         hook = attn.register_forward_hook(lambda m, a, kw, out: captured.update(out=out[0]), with_kwargs=True)
-        model(ids[:, 5:], past_key_values=copy.deepcopy(cache), use_cache=True)  # stock decode step: the reference
+        # stock decode step: the reference
+        model(ids[:, 5:], **{cache_keyword(model): copy.deepcopy(cache)}, use_cache=True)
         hook.remove()
         hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids[:, 5:]))
         position_embeddings = model.model.rotary_emb(hidden, torch.tensor([[5]]))

@@ -121,6 +121,14 @@ def cpu_kernels(log: str) -> str:
     return " ".join(name.strip() for name, _, value in flags if value.strip() == "1")
 
 
+def build_label(version: str, kernels: str | list[str] | None) -> str:
+    """What scored a llama.cpp number, as every table and report names it: its version line and the CPU kernels it
+    ran (one set, or several joined), or the version alone when the kernels were not recorded."""
+    if not kernels:
+        return version
+    return f"{version}, CPU kernels {kernels if isinstance(kernels, str) else ', '.join(kernels)}"
+
+
 def decode_speed(gguf: str | Path, depth: int, tokens: int = 16, repetitions: int = 3) -> dict:
     # (rope flags do not change the speed; llama-bench takes none)
     """llama-bench: tokens/s generating `tokens` tokens after a context of `depth` tokens."""

@@ -23,8 +23,9 @@ def _engine_line(env: dict) -> list[str]:
     (a quantized cache's perplexity moves with them)."""
     if env.get("engine", "transformers") == "transformers":
         return []
-    kernels = f", CPU kernels {env['engine_cpu_kernels']}" if "engine_cpu_kernels" in env else ""
-    return [f"- engine: {env['engine']}{kernels}"]
+    from ..engines.llamacpp import build_label
+
+    return [f"- engine: {build_label(env['engine'], env.get('engine_cpu_kernels'))}"]
 
 
 def markdown(report: dict) -> str:
