@@ -81,8 +81,8 @@ def test_train_all_heals_the_mlp_and_embeddings_too(teacher_and_student, text_fi
     trained = load_file(Path(f"{out}.ckpt") / "step-2" / "trainable.safetensors")
     natural = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).eval()
     to_natural(natural)
-    assert set(trained) == {name for name, _ in natural.named_parameters()}
     before = dict(natural.named_parameters())
+    assert set(trained) == set(before)
     for name in ("model.layers.0.mlp.down_proj.weight", "model.embed_tokens.weight", "lm_head.weight"):
         assert not torch.equal(trained[name], before[name]), name
     exported = load_file(out / "model.safetensors")

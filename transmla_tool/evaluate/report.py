@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..engines.llamacpp import build_label
+
 
 def _fmt(value, digits=2):
     if value is None:
@@ -23,8 +25,6 @@ def _engine_line(env: dict) -> list[str]:
     (a quantized cache's perplexity moves with them)."""
     if env.get("engine", "transformers") == "transformers":
         return []
-    from ..engines.llamacpp import build_label
-
     return [f"- engine: {build_label(env['engine'], env.get('engine_cpu_kernels'))}"]
 
 
