@@ -512,3 +512,22 @@ def test_refine_ablation_scores_each_setting_on_every_domain(tmp_path, monkeypat
     monkeypatch.setattr(sys, "argv", [*argv, "--latent-dim", "64"])
     with pytest.raises(SystemExit, match="captured with"):
         module.main()  # problems captured at another size are never reused
+
+
+def test_rope_key_scales_rows(make_model, convert_tiny, text_file):
+    """eval/rope_key_scales.py: rescaling the rotary key leaves the exact model alone (the exact cache reads the
+    same after every candidate), a per-layer fit never raises the layer-local error it minimizes, and the
+    scales change what the quantized cache holds. (A tiny random model's perplexity may even fall under q4_0.)"""
+    module = _eval_module("rope_key_scales")
+    converted, _, _ = convert_tiny(make_model("llama", kv_heads=2), latent_dim=24, rope_dim=8)
+    bench = module.Bench(str(converted), text_file, {"text": text_file}, 4, 64, 2)
+    rows = list(module.measure(bench, [(0.0, 0.0), (0.25, 0.25)], ["pairs"], "q4_0", ["q4_0"]))
+    assert [r["scales"] for r in rows] == ["exact cache", "energy^-0 query^0", "energy^-0.25 query^0.25",
+                                          "fit pairs on q4_0"]
+    exact = rows[0]["perplexities"]["text"]
+    quantized = [r["perplexities"]["text"] for r in rows[1:]]
+    assert exact not in quantized and len(set(quantized)) == 3  # the cache was read through, each scale differs
+    assert bench.perplexities(None) == rows[0]["perplexities"]
+    for index, (w, moment) in enumerate(zip(bench.start, bench.moments)):
+        fitted = module.scale_rope_pairs(w, bench.fit(index, w, moment, "pairs", "q4_0"))
+        assert bench.local_error(index, fitted, "q4_0") <= bench.local_error(index, w, "q4_0")

@@ -7,7 +7,15 @@ import pytest
 import torch
 from test_ops import _moment, _random_layer
 
-from transmla_tool.ops.basis import ROPE_KEY_BALANCES, balance_rope_key, hadamard, latent_rotation, rope_pair_energy, rotate_latent
+from transmla_tool.ops.basis import (
+    ROPE_KEY_BALANCES,
+    balance_rope_key,
+    hadamard,
+    latent_rotation,
+    rope_pair_energy,
+    rotate_latent,
+    scale_rope_pairs,
+)
 from transmla_tool.ops.decouple import fold_pools, plan_rope
 from transmla_tool.ops.factorize import factorize
 from transmla_tool.ops.kv_quant import (
@@ -141,7 +149,9 @@ def test_changes_of_basis_are_exact(bias):
     rotated = rotate_latent(mla, latent_rotation(mla.latent_dim, "hadamard", seed=1))
     balanced = balance_rope_key(rotated, _moment(x))
     partial = balance_rope_key(rotated, _moment(x), ROPE_KEY_BALANCES["partial"])
-    for changed in (rotated, balanced, partial):
+    scales = torch.rand(mla.rope_dim // 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 4 + 0.1
+    scaled = scale_rope_pairs(rotated, scales)  # any positive scales, not only a power of the energies
+    for changed in (rotated, balanced, partial, scaled):
         assert torch.allclose(mla_attention(x, changed, cos, sin), reference, atol=1e-10)
     assert not torch.allclose(rotated.kv_a[:r], mla.kv_a[:r])
     unbalanced = rope_pair_energy(mla, _moment(x))

@@ -90,7 +90,12 @@ def balance_rope_key(w: MLAWeights, x_moment: torch.Tensor, power: float = 0.5) 
     """Scale each rotary-key pair by energy^-power (power 1/2: every pair the same mean square; geometric mean
     of the scales 1), queries inverse."""
     energy = rope_pair_energy(w, x_moment).clamp_min(1e-30)
-    scale = energy.pow(-power)
+    return scale_rope_pairs(w, energy.pow(-power))
+
+
+def scale_rope_pairs(w: MLAWeights, scale: torch.Tensor) -> MLAWeights:
+    """Scale rotary-key pair j by scale[j] (normalized to a geometric mean of 1) and its queries by the inverse:
+    the same function, another cached rotary key."""
     scale = scale / scale.log().mean().exp()  # (dr/2,)
     per_dim = scale.repeat_interleave(2).to(w.kv_a.dtype).to(w.kv_a.device)  # (dr,)
     r, dn = w.latent_dim, w.nope_dim
