@@ -102,11 +102,12 @@ def main() -> None:
     from transmla_tool.gguf_export import GGUFSettings, export_gguf
 
     version = llama_cpp_version()  # fails early, with the fix, when `make engines` has not run
+    rows = _read(results)
+    check_same_engine(rows, results, version)  # before any work; the kernels are checked with each score
     model_dir, gguf = smollm2_gguf()
     splits = reuse_splits(Path(args.data_dir)) if args.data_dir else domain_splits(out / "data")
     specs = {source: calib_spec(source, splits) for source in args.calib.split(",")}
     texts = {d: _text_file(splits[d][1], out / "text" / f"{d}.txt") for d in DOMAINS}
-    rows = _read(results)
     done = {_key(r) for r in rows}
 
     def measure(model_file, run_flags, base: dict, types: list[str], analytic, domains=DOMAINS) -> None:
@@ -120,7 +121,7 @@ def main() -> None:
                 row.update(perplexity=ppl["perplexity"], chunks=ppl["chunks"], ctx=args.ctx,
                            bytes=ppl["kv_bytes_per_token_per_layer"], kv_cells=ppl["kv_cells"], kv_layers=ppl["kv_layers"],
                            analytic_bytes=analytic(entry), engine=version, cpu_kernels=ppl["cpu_kernels"])
-                check_same_engine(rows, results, row)
+                check_same_engine(rows, results, row["engine"], row["cpu_kernels"])
                 _check_bytes(row)
                 _append(results, row)
                 done.add(_key(row))
@@ -179,15 +180,17 @@ def unseen(source: str) -> list[str]:
     return [d for d in DOMAINS if d != source and source != "mix"]
 
 
-def check_same_engine(rows: list[dict], results: Path, row: dict) -> None:
+def check_same_engine(rows: list[dict], results: Path, engine: str, kernels: str | None = None) -> None:
     """Refuse to add a score from another llama.cpp build, or from the same source built for other CPU kernels, to
     rows that a frontier divides by one another: a quantized cache's perplexity moves between them (SmolLM2, docs,
-    iq4_nl: 10.5351 on one machine's native build, 10.5769 on another's)."""
+    iq4_nl: 10.5351 on one machine's native build, 10.5769 on another's). kernels None: the build alone (llama.cpp
+    names its kernels only once it has loaded a model), so that a resume on another build stops before any work."""
     for earlier in rows:
-        if (earlier.get("engine"), earlier.get("cpu_kernels")) != (row["engine"], row["cpu_kernels"]):
+        if earlier.get("engine") != engine or (kernels is not None and earlier.get("cpu_kernels") != kernels):
             raise SystemExit(f"{results} holds rows scored by {earlier.get('engine')} on CPU kernels "
-                             f"{earlier.get('cpu_kernels', '(not recorded)')}; this is {row['engine']} on "
-                             f"{row['cpu_kernels']}: scores of two builds are not comparable, use a new --output-dir")
+                             f"{earlier.get('cpu_kernels', '(not recorded)')}; this is {engine} on "
+                             f"{kernels or 'CPU kernels not known yet'}: scores of two builds are not comparable, "
+                             "use a new --output-dir")
 
 
 def _key(row: dict) -> tuple:

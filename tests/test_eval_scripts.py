@@ -2,6 +2,8 @@
 benchmarks, not tested here; that they run and check what they claim to check is)."""
 
 import dataclasses
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -389,16 +391,19 @@ def test_frontier_tables_take_the_worst_unseen_domain(tmp_path, monkeypatch):
 
 
 def test_frontier_refuses_to_add_scores_of_another_llama_cpp_build(tmp_path):
-    """A resumed frontier run takes a new score only from the build and CPU kernels its rows were scored by."""
+    """A resumed frontier run takes a new score only from the build and CPU kernels its rows were scored by, and a
+    run on another build stops before any work (the kernels are known only after llama.cpp loaded a model)."""
     check = _eval_module("frontier").check_same_engine
     results = tmp_path / "frontier.jsonl"
     rows = [{**row, "engine": "llama.cpp 1 (abc)", "cpu_kernels": "SSE3 AVX AVX2"} for row in _frontier_rows()]
-    check(rows, results, {"engine": "llama.cpp 1 (abc)", "cpu_kernels": "SSE3 AVX AVX2"})  # the same build: taken
-    for engine, kernels in (("llama.cpp 1 (abc)", "SSE3 AVX AVX2 AVX512"), ("llama.cpp 2 (def)", "SSE3 AVX AVX2")):
+    check(rows, results, "llama.cpp 1 (abc)", "SSE3 AVX AVX2")  # the same build: taken
+    check(rows, results, "llama.cpp 1 (abc)")  # the same build, kernels not known yet: go on
+    for engine, kernels in (("llama.cpp 1 (abc)", "SSE3 AVX AVX2 AVX512"), ("llama.cpp 2 (def)", "SSE3 AVX AVX2"),
+                            ("llama.cpp 2 (def)", None)):
         with pytest.raises(SystemExit, match="scores of two builds are not comparable, use a new --output-dir"):
-            check(rows, results, {"engine": engine, "cpu_kernels": kernels})
+            check(rows, results, engine, kernels)
     with pytest.raises(SystemExit, match=r"on CPU kernels \(not recorded\)"):  # rows from before they were recorded
-        check(_frontier_rows(), results, {"engine": "llama.cpp 1 (abc)", "cpu_kernels": "SSE3 AVX AVX2"})
+        check(_frontier_rows(), results, "llama.cpp 1 (abc)", "SSE3 AVX AVX2")
 
 
 def test_frontier_refuses_bad_cache_types_before_any_work(tmp_path):
@@ -531,3 +536,23 @@ def test_rope_key_scales_rows(make_model, convert_tiny, text_file):
     for index, (w, moment) in enumerate(zip(bench.start, bench.moments)):
         fitted = module.scale_rope_pairs(w, bench.fit(index, w, moment, "pairs", "q4_0"))
         assert bench.local_error(index, fitted, "q4_0") <= bench.local_error(index, w, "q4_0")
+
+
+def test_frontier_stops_before_any_work_on_another_llama_cpp_build(tmp_path):
+    """Resuming a frontier directory with another llama.cpp build refuses at once, not after a conversion and a
+    first score (a stand-in llama-perplexity answers --version and marks any other call)."""
+    bin_dir = tmp_path / "llama.cpp" / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    fake = bin_dir / "llama-perplexity"
+    fake.write_text(f'#!/bin/sh\n[ "$1" = "--version" ] && echo "version: 9 (fake)" && exit 0\ntouch {tmp_path}/ran\n')
+    fake.chmod(0o755)
+    out = tmp_path / "f"
+    out.mkdir()
+    rows = [{**row, "engine": "llama.cpp 1 (abc)", "cpu_kernels": "SSE3 AVX AVX2"} for row in _frontier_rows()]
+    (out / "frontier.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = subprocess.run([sys.executable, str(ROOT / "eval" / "frontier.py"), "--output-dir", str(out), "--configs",
+                          ""], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TRANSMLA_LLAMA_CPP_BIN": str(bin_dir)})
+    assert run.returncode != 0
+    assert "this is llama.cpp 9 (fake) on CPU kernels not known yet" in run.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "ran").exists() and sorted(p.name for p in out.iterdir()) == ["frontier.jsonl"]
