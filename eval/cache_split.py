@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
 
 from transmla_tool.data import token_windows
+from transmla_tool.evaluate.perplexity import perplexity
 from transmla_tool.heal.model import to_natural
 from transmla_tool.ops.basis import balance_rope_key
 from transmla_tool.ops.kv_quant import SIMULATED_CACHE_TYPES, quantize_dequantize
@@ -63,6 +63,7 @@ def split(model_dir: str, data: str, calib: str, types: list[str], powers: list[
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     scored = token_windows(data, tokenizer, seq_len, windows)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.config.use_cache = False  # NaturalAttention holds no cache
     to_natural(model)
     attns = [layer.self_attn for layer in model.model.layers]
     latent = attns[0].dims["latent_dim"]
@@ -83,12 +84,7 @@ def split(model_dir: str, data: str, calib: str, types: list[str], powers: list[
     def score(name: str | None, part: str = "all") -> float:
         for a in attns:
             a.cache_store = None if name is None else read_through(name, part)
-        nll = count = 0.0
-        with torch.no_grad():
-            for batch in scored.split(4):
-                loss = model(batch, labels=batch, use_cache=False).loss
-                nll, count = nll + float(loss) * batch[:, 1:].numel(), count + batch[:, 1:].numel()
-        return math.exp(nll / count)
+        return perplexity(model, scored, progress=False)["perplexity"]
 
     exact = score(None)
     rows = [{"cache": "exact", "quantized": "nothing", "perplexity": exact, "ratio": 1.0}]

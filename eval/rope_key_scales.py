@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 
 from transmla_tool.data import token_windows
+from transmla_tool.evaluate.perplexity import perplexity
 from transmla_tool.heal.model import to_natural
 from transmla_tool.ops.basis import rope_pair_energy, scale_rope_pairs
 from transmla_tool.ops.linalg import affine_moment
@@ -115,6 +115,7 @@ class Bench:
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model.config.use_cache = False  # NaturalAttention holds no cache
         to_natural(self.model)
         self.attns = [layer.self_attn for layer in self.model.model.layers]
         calib_windows = token_windows(str(calib), tokenizer, seq_len, 16)
@@ -122,6 +123,7 @@ class Bench:
         self.start = [a.weights().to(torch.float64) for a in self.attns]
         self.scored = {d: token_windows(str(path), tokenizer, seq_len, windows) for d, path in scored.items()}
         self.inputs = {}
+        self.exact_outputs = {}
 
         def grab(index):
             def hook(module, hook_args, kwargs):
@@ -144,13 +146,7 @@ class Bench:
     def perplexities(self, cache: str | None) -> dict[str, float]:
         for attn in self.attns:
             attn.cache_store = None if cache is None else (lambda row, c=cache: quantize_dequantize(row, c))
-        result = {}
-        for domain, windows in self.scored.items():
-            nll = count = 0.0
-            for batch in windows.split(4):
-                loss = self.model(batch, labels=batch, use_cache=False).loss
-                nll, count = nll + float(loss) * batch[:, 1:].numel(), count + batch[:, 1:].numel()
-            result[domain] = math.exp(nll / count)
+        result = {d: perplexity(self.model, windows, progress=False)["perplexity"] for d, windows in self.scored.items()}
         for attn in self.attns:
             attn.cache_store = None
         return result
@@ -159,7 +155,9 @@ class Bench:
     def local_error(self, index: int, w: MLAWeights, cache: str) -> float:
         """Relative squared error of layer `index`'s output with its cache quantized, against an exact cache."""
         x, (cos, sin) = self.inputs[index]
-        exact = mla_attention(x, self.start[index].to(torch.float32), cos, sin)
+        if index not in self.exact_outputs:  # the same for every candidate a fit tries
+            self.exact_outputs[index] = mla_attention(x, self.start[index].to(torch.float32), cos, sin)
+        exact = self.exact_outputs[index]
         quantized = mla_attention(x, w.to(torch.float32), cos, sin, cache_store=lambda row: quantize_dequantize(row, cache))
         return float((quantized - exact).pow(2).sum() / exact.pow(2).sum())
 
