@@ -390,6 +390,36 @@ def test_frontier_tables_take_the_worst_unseen_domain(tmp_path, monkeypatch):
     assert frontier.unseen("news") == ["forum", "code", "docs"]
 
 
+def test_frontier_leave_one_out_takes_each_mix_on_the_domain_it_left_out(tmp_path):
+    import json
+
+    frontier = _eval_module("frontier")
+    rows = [r for r in _frontier_rows() if r["model"] == "original"]
+    ppl = {"news": 30.0, "forum": 28.0, "code": 13.0, "docs": 11.0}
+    cost = {"news": 1.3, "forum": 1.1, "code": 1.2, "docs": 1.15}
+    common = {"chunks": 16, "ctx": 512, "preset": "default", "overrides": [], "budget": 192, "latent_dim": 160,
+              "rope_dim": 32, "calib_samples": 128, "bytes": 108.0, "analytic_bytes": 108.0, "cache": "q4_0"}
+    for left_out in ppl:
+        # each mix scored on the domain it left out, and (to be ignored) on one it calibrated on, where it is better
+        rows += [{"model": "converted", "calib": f"mix-{left_out}", "config": "default", "domain": d,
+                  "perplexity": ppl[d] * (cost[left_out] if d == left_out else 1.01), **common}
+                 for d in (left_out, "forum" if left_out != "forum" else "news")]
+        if left_out != "docs":  # a configuration without its mix-docs conversion is no leave-one-out point
+            rows.append({"model": "converted", "calib": f"mix-{left_out}", "config": "partial", "domain": left_out,
+                         "perplexity": ppl[left_out], **common})
+    (tmp_path / "frontier.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    frontier.write_tables(tmp_path, [110.0])
+    text = (tmp_path / "frontier.md").read_text()
+    section = text.split("## Calibrated on three kinds of text, scored on the fourth")[1].split("## ")[0]
+    assert "| default 160 + 32 | q4_0 | 4.5 | 108 | 7.11 | 1.300 (news) | yes |" in section
+    assert "partial" not in section and "| original | q4_0 | 4.5 | 216 | 3.56 | 1.060 (" in section
+    assert "at most 110 B/token/layer: convert: default 160 + 32 with a q4_0 cache (108 B/token/layer, ratio 1.300)" \
+        in section
+    # each mix keeps its own section, scored on its left-out domain alone
+    assert "| default 160 + 32 | q4_0 | 4.5 | 108 | 7.11 | 1.150 (docs) | yes |" in text.split("## Calibrated on mix-docs")[1]
+    assert (tmp_path / "frontier-leave-one-out.png").stat().st_size > 0
+
+
 def test_frontier_refuses_to_add_scores_of_another_llama_cpp_build(tmp_path):
     """A resumed frontier run takes a new score only from the build and CPU kernels its rows were scored by, and a
     run on another build stops before any work (the kernels are known only after llama.cpp loaded a model)."""
