@@ -12,11 +12,14 @@ the domains the calibration never saw.
     python eval/frontier.py --output-dir runs/frontier                          # original + default
     python eval/frontier.py --output-dir runs/frontier --budgets 192,320 \\
         --configs "pca=default:latent_basis=pca,rope_key_balance=none"          # more rows, same file
+    python eval/frontier.py --output-dir runs/frontier --calib mix-news,mix-forum,mix-code,mix-docs  # leave-one-out
     python eval/frontier.py --output-dir runs/frontier --table-only --max-cache-bytes 216
 
 Resumable: rows go to <output-dir>/frontier.jsonl keyed by (model, calibration, config, budget, cache type,
 domain); a rerun measures only what is missing (a configuration name whose rows were made with other
-settings is refused). frontier.md and frontier.png are rebuilt from the file.
+settings is refused). frontier.md and the plots are rebuilt from the file: one section per calibration source, and
+once a configuration is measured under all four mix-D calibrations (each scored on the D it left out) a
+leave-one-out section whose ratio is the worst of the four.
 """
 
 from __future__ import annotations
