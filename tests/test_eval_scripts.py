@@ -42,8 +42,6 @@ def _crossdomain():
 
 
 def test_crossdomain_tables_divide_by_the_original_on_the_same_device(tmp_path):
-    import json
-
     crossdomain = _crossdomain()
     domains = crossdomain.DOMAINS
     rows = []
@@ -63,8 +61,6 @@ def test_crossdomain_tables_divide_by_the_original_on_the_same_device(tmp_path):
 
 
 def test_crossdomain_plots_the_chosen_configurations_under_their_labels(tmp_path):
-    import json
-
     crossdomain = _crossdomain()
     domains = crossdomain.DOMAINS
     rows = [{"calib": "-", "config": "original", "budget": 384, "domain": d, "perplexity": 10.0} for d in domains]
@@ -180,8 +176,6 @@ def test_heal_run_keeps_the_text_it_started_with(tmp_path):
 
 
 def test_heal_benchmark_refuses_a_directory_converted_with_other_settings(tmp_path):
-    import json
-
     out = tmp_path / "heal"
     out.mkdir()
     (out / "conversion.json").write_text(json.dumps({"latent_dim": 128, "calib_samples": 64, "overrides": []}))
@@ -201,8 +195,6 @@ def test_heal_benchmark_refuses_a_directory_converted_with_other_settings(tmp_pa
 def test_heal_frontier_only_adds_cache_types_to_a_finished_run(tmp_path, monkeypatch):
     """`--frontier-only` scores a finished run under more cache types: frontier.json keeps the types scored before
     and gains the new ones (the engine is a stand-in here; the llama.cpp scoring is tested in test_engines.py)."""
-    import json
-
     import transmla_tool.engines.llamacpp as llamacpp
     import transmla_tool.evaluate.frontier as frontier
 
@@ -234,8 +226,6 @@ def test_heal_frontier_only_adds_cache_types_to_a_finished_run(tmp_path, monkeyp
 def test_heal_frontier_only_never_merges_scores_of_another_llama_cpp_build(tmp_path, monkeypatch, capsys):
     """A quantized cache's perplexity moves between llama.cpp builds (their CPU kernels): scores in frontier.json
     from another build, or from before builds were recorded, are replaced by the rerun's, never put beside them."""
-    import json
-
     import transmla_tool.engines.llamacpp as llamacpp
     import transmla_tool.evaluate.frontier as frontier
 
@@ -364,8 +354,6 @@ def _frontier_rows():
 
 
 def test_frontier_tables_take_the_worst_unseen_domain(tmp_path, monkeypatch):
-    import json
-
     frontier = _eval_module("frontier")
     (tmp_path / "frontier.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _frontier_rows()))
     frontier.write_tables(tmp_path, [216.0, 110.0])
@@ -391,8 +379,6 @@ def test_frontier_tables_take_the_worst_unseen_domain(tmp_path, monkeypatch):
 
 
 def test_frontier_leave_one_out_takes_each_mix_on_the_domain_it_left_out(tmp_path):
-    import json
-
     frontier = _eval_module("frontier")
     rows = [r for r in _frontier_rows() if r["model"] == "original"]
     ppl = {"news": 30.0, "forum": 28.0, "code": 13.0, "docs": 11.0}
@@ -451,8 +437,6 @@ def test_heal_benchmark_checks_cache_types_before_any_work(tmp_path):
 
 def test_heal_benchmark_places_its_checkpoints_on_the_frontier(tmp_path, monkeypatch):
     """place_on_frontier: every model under every cache type, ratio to the original's f16 perplexity, in heal.md."""
-    import json
-
     heal_script = _eval_module("heal")
     ppl = {("original", "f16"): (10.0, 768.0), ("original", "q4_0"): (10.6, 216.0), ("converted", "f16"): (12.0, 384.0),
            ("converted", "q4_0"): (12.5, 108.0), ("healed 4096 tokens", "f16"): (11.0, 384.0),
@@ -478,8 +462,6 @@ def test_heal_benchmark_places_its_checkpoints_on_the_frontier(tmp_path, monkeyp
 def test_families_benchmark_runs_and_divides_by_the_control(tmp_path):
     """eval/families.py end to end at toy size (3 training steps, closed form): both families trained, converted at
     both budgets and scored on every domain; the table divides Qwen3's worst unseen ratio by the Llama control's."""
-    import json
-
     script = ROOT / "eval" / "families.py"
     run = subprocess.run([sys.executable, str(script), "--output-dir", str(tmp_path), "--steps", "3", "--methods",
                           "closed-form", "--eval-windows", "2", "--calib-samples", "4", "--vocab", "512"],
@@ -507,8 +489,6 @@ def test_refine_ablation_refuses_an_unknown_setting_before_any_work(tmp_path):
 def test_refine_ablation_scores_each_setting_on_every_domain(tmp_path, monkeypatch):
     # a captured problem whose targets come from a known layer and whose start is that layer perturbed:
     # refinement must bring every domain's error below the start's, and a rerun must not redo a row
-    import json
-
     import torch
 
     from transmla_tool.ops.mla import MLAWeights, mla_attention
