@@ -107,6 +107,7 @@ def main() -> None:
     version = llama_cpp_version()  # fails early, with the fix, when `make engines` has not run
     rows = _read(results)
     check_same_engine(rows, results, version)  # before any work; the kernels are checked with each score
+    check_same_windows(rows, results, args.ctx, args.chunks)
     model_dir, gguf = smollm2_gguf()
     splits = reuse_splits(Path(args.data_dir)) if args.data_dir else domain_splits(out / "data")
     specs = {source: calib_spec(source, splits) for source in args.calib.split(",")}
@@ -196,6 +197,16 @@ def check_same_engine(rows: list[dict], results: Path, engine: str, kernels: str
                              "use a new --output-dir")
 
 
+def check_same_windows(rows: list[dict], results: Path, ctx: int, chunks: int) -> None:
+    """Refuse to resume rows scored on other windows: a row's key has no context length, so a rerun with another
+    --ctx or --chunks would find every row "done" and print the old scores as if measured at the new length."""
+    for earlier in rows:
+        if (earlier.get("ctx"), earlier.get("chunks")) != (ctx, chunks):
+            raise SystemExit(f"{results} holds rows scored on {earlier.get('chunks')} windows of {earlier.get('ctx')} "
+                             f"tokens; this run asks for {chunks} windows of {ctx}: perplexities over other windows "
+                             "are not comparable, use a new --output-dir (or the same --ctx and --chunks)")
+
+
 def _key(row: dict) -> tuple:
     return (row["model"], row["calib"], row["config"], row["budget"], row["cache"], row["domain"])
 
@@ -276,7 +287,11 @@ def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | No
     calibs = list(dict.fromkeys(r["calib"] for r in rows if r["model"] == "converted")) or ["news"]
     if all(f"mix-{d}" in calibs for d in DOMAINS):
         calibs.append(LEAVE_ONE_OUT)
-    lines = [f"# Quality per KV-cache byte (SmolLM2-135M in {engine})", ""]
+    windows = sorted({(r.get("chunks"), r.get("ctx")) for r in rows}, key=str)
+    lines = [f"# Quality per KV-cache byte (SmolLM2-135M in {engine})", "",
+             "Perplexity on each domain's held-out text, " + " and ".join(f"{n} windows of {c} tokens" for n, c in windows)
+             + (" (**rows scored on different windows: their ratios are not comparable**)" if len(windows) > 1 else "")
+             + ".", ""]
     mismatched = [r for r in rows if not r.get("bytes_match_analytic", True)]
     if mismatched:
         lines += [f"**{len(mismatched)} rows' allocated bytes differ from their cache type's** (first: "

@@ -566,3 +566,21 @@ def test_frontier_stops_before_any_work_on_another_llama_cpp_build(tmp_path):
     assert run.returncode != 0
     assert "this is llama.cpp 9 (fake) on CPU kernels not known yet" in run.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "ran").exists() and sorted(p.name for p in out.iterdir()) == ["frontier.jsonl"]
+
+
+def test_frontier_refuses_to_resume_rows_of_other_windows(tmp_path):
+    """A row's key has no context length: resuming with another --ctx or --chunks would find every row done and
+    print 512-token scores as if measured at the new length, so the run refuses; the table names its windows."""
+    frontier = _eval_module("frontier")
+    rows, results = _frontier_rows(), tmp_path / "frontier.jsonl"
+    frontier.check_same_windows(rows, results, 512, 16)  # the same windows: resumed
+    for ctx, chunks in ((2048, 16), (512, 24)):
+        with pytest.raises(SystemExit, match=f"16 windows of 512 tokens; this run asks for {chunks} windows of {ctx}"):
+            frontier.check_same_windows(rows, results, ctx, chunks)
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    frontier.write_tables(tmp_path, [216.0])
+    assert "held-out text, 16 windows of 512 tokens." in (tmp_path / "frontier.md").read_text()
+    rows[0]["ctx"] = 2048
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    frontier.write_tables(tmp_path, [216.0])
+    assert "rows scored on different windows: their ratios are not comparable" in (tmp_path / "frontier.md").read_text()
