@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from quality import _append, _read, check_resumable, made_with, parse_config, save_ratio_plot  # noqa: E402
+from quality import (  # noqa: E402
+    _append, _read, check_resumable, check_same_scoring, made_with, parse_config, save_ratio_plot,
+)
 
 from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
 from transmla_tool.convert import ConvertSettings, convert_many  # noqa: E402
@@ -89,6 +91,8 @@ def main() -> None:
                for d in DOMAINS}
     rows = _read(results)
     done = {(r["calib"], r["config"], r["budget"], r["domain"]) for r in rows}
+    scoring = {"eval_windows": args.eval_windows}
+    check_same_scoring(rows, results, scoring)
 
     # the original is scored on every device that scores converted models: fp32 perplexities differ
     # between devices by more than the effects measured here, so a ratio never mixes two devices
@@ -100,7 +104,7 @@ def main() -> None:
             ppl = perplexity(model, windows[domain], desc=f"original on {domain}")["perplexity"]
             original[(device.type, domain)] = ppl
             _append(results, {"calib": "-", "config": "original", "budget": 384, "domain": domain, "perplexity": ppl,
-                              "device": device.type})
+                              "device": device.type, **scoring})
         del model
 
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -130,7 +134,7 @@ def main() -> None:
                     _append(results, {"calib": source, "config": name, "preset": preset, "overrides": overrides,
                                       "budget": latent + args.rope_dim, "domain": domain, "perplexity": ppl,
                                       "ratio": ppl / original[(device.type, domain)], "device": device.type,
-                                      **made, "convert_seconds_all_budgets": seconds})
+                                      **made, **scoring, "convert_seconds_all_budgets": seconds})
                 del model
                 gc.collect()
                 torch.cuda.empty_cache()

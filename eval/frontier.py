@@ -33,7 +33,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from crossdomain import calib_spec, reuse_splits  # noqa: E402
-from quality import _append, _read, check_resumable, made_with, parse_config, remaking_overrides  # noqa: E402
+from quality import (  # noqa: E402
+    _append, _read, check_resumable, check_same_scoring, made_with, parse_config, remaking_overrides,
+)
 
 from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
 from transmla_tool.convert import ConvertSettings, convert_many  # noqa: E402
@@ -107,7 +109,7 @@ def main() -> None:
     version = llama_cpp_version()  # fails early, with the fix, when `make engines` has not run
     rows = _read(results)
     check_same_engine(rows, results, version)  # before any work; the kernels are checked with each score
-    check_same_windows(rows, results, args.ctx, args.chunks)
+    check_same_scoring(rows, results, {"ctx": args.ctx, "chunks": args.chunks})  # not in a row's key
     model_dir, gguf = smollm2_gguf()
     splits = reuse_splits(Path(args.data_dir)) if args.data_dir else domain_splits(out / "data")
     specs = {source: calib_spec(source, splits) for source in args.calib.split(",")}
@@ -195,16 +197,6 @@ def check_same_engine(rows: list[dict], results: Path, engine: str, kernels: str
                              f"{earlier.get('cpu_kernels', '(not recorded)')}; this is {engine} on "
                              f"{kernels or 'CPU kernels not known yet'}: scores of two builds are not comparable, "
                              "use a new --output-dir")
-
-
-def check_same_windows(rows: list[dict], results: Path, ctx: int, chunks: int) -> None:
-    """Refuse to resume rows scored on other windows: a row's key has no context length, so a rerun with another
-    --ctx or --chunks would find every row "done" and print the old scores as if measured at the new length."""
-    for earlier in rows:
-        if (earlier.get("ctx"), earlier.get("chunks")) != (ctx, chunks):
-            raise SystemExit(f"{results} holds rows scored on {earlier.get('chunks')} windows of {earlier.get('ctx')} "
-                             f"tokens; this run asks for {chunks} windows of {ctx}: perplexities over other windows "
-                             "are not comparable, use a new --output-dir (or the same --ctx and --chunks)")
 
 
 def _key(row: dict) -> tuple:

@@ -85,12 +85,14 @@ def main() -> None:
     results_path = out / "quality.jsonl"
     rows = _read(results_path)
     done = {(r["config"], r["budget"]) for r in rows}
+    scoring = {"eval_windows": args.eval_windows}
+    check_same_scoring(rows, results_path, scoring)
     budgets = [int(b) for b in args.budgets.split(",")]
 
     if ("original", 384) not in done:
         model = load_model(model_dir, gguf, torch.float32, torch.device("cpu"))
         ppl = perplexity(model, windows, desc="perplexity (original)")["perplexity"]
-        _append(results_path, {"config": "original", "budget": 384, "perplexity": ppl})
+        _append(results_path, {"config": "original", "budget": 384, "perplexity": ppl, **scoring})
         del model
 
     for name, preset, overrides in configs:
@@ -114,7 +116,7 @@ def main() -> None:
             layers = summaries[latent]["layers"]
             _append(results_path, {
                 "config": name, "preset": preset, "overrides": overrides, "budget": latent + args.rope_dim,
-                "latent_dim": latent, "perplexity": ppl, **made, "convert_seconds_all_budgets": round(seconds, 1),
+                "latent_dim": latent, "perplexity": ppl, **made, **scoring, "convert_seconds_all_budgets": round(seconds, 1),
                 "mean_refine_loss": _mean(layers, "refine_loss_after"),
                 "mean_closed_form_loss": _mean(layers, "refine_loss_before"),
             })
@@ -160,6 +162,18 @@ def check_resumable(rows: list[dict], results: Path, where: dict, made: dict) ->
                 label = ", ".join(f"{k} {v}" for k, v in where.items())
                 raise SystemExit(f"{results} holds rows ({label}) made with another {' and '.join(differs)} "
                                  "(or before rows recorded it): give this run another config name or --output-dir")
+
+
+def check_same_scoring(rows: list[dict], results: Path, scoring: dict) -> None:
+    """A row's key names what was converted, not the text it was scored on: refuse to resume rows scored on other
+    windows (`scoring`, e.g. {"eval_windows": 32}, is recorded in every row), or a rerun with another window count
+    would find the rows done, or divide new scores by an original scored on other text."""
+    for row in rows:
+        got = {k: row.get(k, "not recorded") for k in scoring}
+        if got != scoring:
+            found, asked = (", ".join(f"{k} {v}" for k, v in d.items()) for d in (got, scoring))
+            raise SystemExit(f"{results} holds rows scored with {found}; this run asks for {asked}: "
+                             "scores over other windows are not comparable, use a new --output-dir (or the same flags)")
 
 
 def _append(path: Path, row: dict) -> None:

@@ -568,15 +568,20 @@ def test_frontier_stops_before_any_work_on_another_llama_cpp_build(tmp_path):
     assert not (tmp_path / "ran").exists() and sorted(p.name for p in out.iterdir()) == ["frontier.jsonl"]
 
 
-def test_frontier_refuses_to_resume_rows_of_other_windows(tmp_path):
-    """A row's key has no context length: resuming with another --ctx or --chunks would find every row done and
-    print 512-token scores as if measured at the new length, so the run refuses; the table names its windows."""
-    frontier = _eval_module("frontier")
+def test_benchmarks_refuse_to_resume_rows_scored_on_other_windows(tmp_path):
+    """A row's key names what was converted, not the text it was scored on: resuming with another --ctx/--chunks
+    (frontier) or --eval-windows (crossdomain, quality) would find the rows done, or divide new scores by an
+    original scored on other text, so the run refuses; the frontier table names its windows."""
+    check = _eval_module("quality").check_same_scoring
     rows, results = _frontier_rows(), tmp_path / "frontier.jsonl"
-    frontier.check_same_windows(rows, results, 512, 16)  # the same windows: resumed
+    check(rows, results, {"ctx": 512, "chunks": 16})  # the same windows: resumed
     for ctx, chunks in ((2048, 16), (512, 24)):
-        with pytest.raises(SystemExit, match=f"16 windows of 512 tokens; this run asks for {chunks} windows of {ctx}"):
-            frontier.check_same_windows(rows, results, ctx, chunks)
+        with pytest.raises(SystemExit, match=f"scored with ctx 512, chunks 16; this run asks for ctx {ctx}, chunks "
+                                             f"{chunks}: scores over other windows are not comparable"):
+            check(rows, results, {"ctx": ctx, "chunks": chunks})
+    with pytest.raises(SystemExit, match="scored with eval_windows not recorded; this run asks for eval_windows 8"):
+        check([{"config": "original", "perplexity": 30.0}], results, {"eval_windows": 8})  # rows from before
+    frontier = _eval_module("frontier")
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     frontier.write_tables(tmp_path, [216.0])
     assert "held-out text, 16 windows of 512 tokens." in (tmp_path / "frontier.md").read_text()
