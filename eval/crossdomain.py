@@ -15,7 +15,8 @@ to score a domain the mix never saw).
 
 Rows are appended to <output-dir>/crossdomain.jsonl (resumable: a row is keyed by source, config name,
 budget and domain; rows record the resolved method and calibration size, and a rerun under a name whose
-rows were made otherwise stops with an error instead of skipping them);
+rows were made otherwise, or a rerun with another --eval-windows, stops with an error instead of
+skipping them);
 the tables (markdown) and the plot are rebuilt from it. Configurations are written as in
 eval/quality.py (`name=preset[:k=v,...]`).
 """

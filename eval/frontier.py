@@ -17,7 +17,7 @@ the domains the calibration never saw.
 
 Resumable: rows go to <output-dir>/frontier.jsonl keyed by (model, calibration, config, budget, cache type,
 domain); a rerun measures only what is missing (a configuration name whose rows were made with other
-settings is refused). frontier.md and the plots are rebuilt from the file: one section per calibration source, and
+settings is refused, and so is a rerun with another --ctx or --chunks). frontier.md and the plots are rebuilt from the file: one section per calibration source, and
 once a configuration is measured under all four mix-D calibrations (each scored on the D it left out) a
 leave-one-out section whose ratio is the worst of the four.
 """

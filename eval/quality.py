@@ -11,7 +11,8 @@ with the stock DeepseekV3ForCausalLM loaded from the written checkpoint.
 A configuration is `name=preset[:setting=value,...]`, or a bare preset name; e.g.
 `refine-300=default:refine_steps=300`. Results are appended to <output-dir>/quality.jsonl as they come
 in, so an interrupted run resumes where it stopped (rows record the resolved method and calibration
-size; a name whose rows were made otherwise stops the run); the table and plot are rebuilt from that file.
+size and --eval-windows; a name whose rows were made otherwise, or another --eval-windows, stops the
+run); the table and plot are rebuilt from that file.
 """
 
 from __future__ import annotations
