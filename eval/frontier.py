@@ -17,9 +17,9 @@ the domains the calibration never saw.
 
 Resumable: rows go to <output-dir>/frontier.jsonl keyed by (model, calibration, config, budget, cache type,
 domain); a rerun measures only what is missing (a configuration name whose rows were made with other
-settings is refused, and so is a rerun with another --ctx or --chunks). frontier.md and the plots are rebuilt from the file: one section per calibration source, and
-once a configuration is measured under all four mix-D calibrations (each scored on the D it left out) a
-leave-one-out section whose ratio is the worst of the four.
+settings is refused, and so is a rerun with another --ctx or --chunks). frontier.md and the plots are rebuilt
+from the file: one section per calibration source, and once a configuration is measured under all four mix-D
+calibrations (each scored on the D it left out) a leave-one-out section whose ratio is the worst of the four.
 """
 
 from __future__ import annotations
@@ -280,10 +280,11 @@ def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | No
     if all(f"mix-{d}" in calibs for d in DOMAINS):
         calibs.append(LEAVE_ONE_OUT)
     windows = sorted({(r.get("chunks"), r.get("ctx")) for r in rows}, key=str)
+    scored_on = " and ".join(f"{n} windows of {c} tokens" for n, c in windows)
+    if len(windows) > 1:
+        scored_on += " (**rows scored on different windows: their ratios are not comparable**)"
     lines = [f"# Quality per KV-cache byte (SmolLM2-135M in {engine})", "",
-             "Perplexity on each domain's held-out text, " + " and ".join(f"{n} windows of {c} tokens" for n, c in windows)
-             + (" (**rows scored on different windows: their ratios are not comparable**)" if len(windows) > 1 else "")
-             + ".", ""]
+             f"Perplexity on each domain's held-out text, {scored_on}.", ""]
     mismatched = [r for r in rows if not r.get("bytes_match_analytic", True)]
     if mismatched:
         lines += [f"**{len(mismatched)} rows' allocated bytes differ from their cache type's** (first: "

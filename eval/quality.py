@@ -117,7 +117,8 @@ def main() -> None:
             layers = summaries[latent]["layers"]
             _append(results_path, {
                 "config": name, "preset": preset, "overrides": overrides, "budget": latent + args.rope_dim,
-                "latent_dim": latent, "perplexity": ppl, **made, **scoring, "convert_seconds_all_budgets": round(seconds, 1),
+                "latent_dim": latent, "perplexity": ppl, **made, **scoring,
+                "convert_seconds_all_budgets": round(seconds, 1),
                 "mean_refine_loss": _mean(layers, "refine_loss_after"),
                 "mean_closed_form_loss": _mean(layers, "refine_loss_before"),
             })
