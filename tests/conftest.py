@@ -177,3 +177,17 @@ def trained_model(make_model, text_file, tokenizer_dir, tmp_path_factory):
         return path
 
     return make
+
+
+@pytest.fixture(scope="session")
+def teacher_and_student(trained_model, text_file, tmp_path_factory):
+    """A trained tiny GQA teacher and its closed-form conversion at a small latent (clearly damaged)."""
+    from transmla_tool.convert import ConvertSettings, convert
+    from transmla_tool.methods import PRESETS
+
+    teacher = trained_model("llama", kv_heads=2)
+    student = tmp_path_factory.mktemp("heal") / "student"
+    convert(ConvertSettings(model=str(teacher), output=str(student), latent_dim=8, rope_dim=8,
+                            calib_data=str(text_file), calib_samples=8, calib_seq_len=64, dtype="float32",
+                            device="cpu", progress=False, method=PRESETS["closed-form"]))
+    return teacher, student

@@ -65,8 +65,15 @@ def test_existing_output_needs_overwrite(capsys, base_args, tmp_path):
     code, err = _run(capsys, base_args())
     assert code == 2 and "already exists; pass --overwrite" in err
     assert (tmp_path / "out" / "keep.txt").read_text() == "user data"
-    assert main(["convert", *base_args(), "--overwrite"]) == 0
-    assert (tmp_path / "out" / "model.safetensors").exists() and not (tmp_path / "out" / "keep.txt").exists()
+    # --overwrite replaces only what this tool wrote: a user's directory stays
+    code, err = _run(capsys, [*base_args(), "--overwrite"])
+    assert code == 2 and "was not written by transmla-tool" in err and len(err.splitlines()) == 1
+    assert (tmp_path / "out" / "keep.txt").read_text() == "user data"
+    ours = tmp_path / "ours"
+    assert main(["convert", *base_args(**{"--output": str(ours)})]) == 0
+    (ours / "stale.txt").write_text("from the first run")
+    assert main(["convert", *base_args(**{"--output": str(ours)}), "--overwrite"]) == 0
+    assert (ours / "model.safetensors").exists() and not (ours / "stale.txt").exists()
 
 
 def test_unsupported_family(capsys, base_args, tmp_path, tokenizer_dir):
@@ -171,10 +178,10 @@ def test_resume_after_interrupt_is_bit_identical(base_args, tmp_path, monkeypatc
     assert (tmp_path / ".out.partial" / "RESUMABLE").exists()
 
     code, err = _run(capsys, base_args())
-    assert code == 2 and "pass --resume to continue it" in err
+    assert code == 2 and "with --resume to continue it" in err
 
     code, err = _run(capsys, [*base_args(**{"--latent-dim": "16"}), "--resume"])
-    assert code == 2 and "used other settings" in err
+    assert code == 2 and "was made with other settings (--latent-dim: 12 -> 16" in err
     assert (tmp_path / ".out.partial").exists()  # a refused resume keeps the unfinished work
 
     assert main(["convert", *base_args(), "--resume"]) == 0

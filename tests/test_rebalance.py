@@ -58,7 +58,7 @@ def test_rebalance_refusals(make_model, convert_tiny, text_file, tmp_path, capsy
     assert "has no conversion.json" in capsys.readouterr().err
     converted, _, _ = convert_tiny(src, latent_dim=12, rope_dim=8, method=PRESETS["closed-form"])
     assert main(["rebalance", str(converted), "--output", str(converted), "--calib-data", str(text_file)]) == 2
-    assert "already exists; pass --overwrite" in capsys.readouterr().err
+    assert "is an input of this run" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 

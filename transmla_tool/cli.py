@@ -3,6 +3,7 @@ and exit with status 2."""
 
 from __future__ import annotations
 
+import errno
 import sys
 
 from .cli_args import build_parser
@@ -57,6 +58,7 @@ def cmd_eval(args) -> int:
         cache_types=[t for t in args.cache_types.split(",") if t.strip()],
         tasks=[t for t in args.tasks.split(",") if t], limit=args.limit, num_fewshot=args.num_fewshot,
         include_path=args.include_path, dtype=args.dtype, device=args.device, seed=args.seed,
+        overwrite=args.overwrite,
     )
     report = run_eval(settings)
     from .evaluate.report import markdown
@@ -166,15 +168,44 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"transmla-tool: error: {exc}", file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+        _check_finite(args)
+    except UserError as exc:
+        print(f"transmla-tool: error: {exc}", file=sys.stderr)
+        return 2
+    from .io.staging import kept_message
+
     try:
         return COMMANDS[args.command](args)
     except UserError as exc:
         print(f"transmla-tool {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"transmla-tool {args.command}: interrupted; no output was left behind", file=sys.stderr)
+        kept = kept_message()
+        print(f"transmla-tool {args.command}: interrupted; " + (kept or "no output was left behind"), file=sys.stderr)
         return 130
+    except OSError as exc:
+        if exc.errno not in USER_ERRNOS:
+            raise
+        kept = kept_message()
+        print(f"transmla-tool {args.command}: error: {exc.strerror}: {exc.filename or ''} ({USER_ERRNOS[exc.errno]})"
+              + (f"; {kept}" if kept else "; no output was left behind"), file=sys.stderr)
+        return 2
+
+
+# errors of the machine, not of the tool: a full disk, no permission, a read-only file system
+USER_ERRNOS = {errno.ENOSPC: "free space and rerun", errno.EDQUOT: "free space and rerun",
+               errno.EACCES: "choose a path you can write", errno.EROFS: "choose a writable path"}
+
+
+def _check_finite(args) -> None:
+    """No NaN or infinity in a numeric flag (argparse's float() accepts 'nan')."""
+    import math
+
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from .errors import UserError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (and exit status 2 through the CLI), not a usage block."""
+
+    def error(self, message: str):
+        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="hub id or local directory (safetensors), or GGUF directory")
@@ -47,7 +56,7 @@ def _add_convert_args(p: argparse.ArgumentParser, calib_default: str | None = "d
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="transmla-tool",
         description="Convert grouped-query-attention checkpoints into stock DeepSeek-V3 multi-head latent attention "
                     "checkpoints, measure them against the original and heal them.",
@@ -83,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --original")
     p.add_argument("--converted", required=True, help="directory written by transmla-tool convert")
     p.add_argument("--output-dir", required=True, help="where report.json, report.md and plots go")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing report directory this tool wrote")
     _add_eval_args(p)
     _add_runtime_args(p)
 

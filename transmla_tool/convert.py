@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -13,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .arch import AttentionGeometry, check_supported, llama_view
+from .arch import AttentionGeometry, check_shapes, check_supported, llama_view
 from .arch.families import EMBED, FINAL_NORM, LAYER_PASSTHROUGH, LAYER_PREFIX, LM_HEAD
 from .calibrate import SourceLayers, run_layer_with_attention, run_source_layer
 from .data import token_windows
@@ -23,8 +22,16 @@ from .errors import UserError
 from .export import attention_prefix, deepseek_config, planned_state_dict, residual_scale, scale_residual_writers
 from .io.resume import RESUME_DIR, load_resume, save_resume
 from .io.source import open_source
-from .io.staging import check_target, staged_directory, staging_path
-from .io.writer import DEFAULT_MAX_SHARD, ShardedWriter, check_shard_size
+from .io.staging import (
+    COMPLETE_MARK,
+    check_target,
+    check_writable,
+    local_paths,
+    resumable,
+    staged_directory,
+    staging_path,
+)
+from .io.writer import DEFAULT_MAX_SHARD, PARTS, ShardedWriter, check_shard_size
 from .layer import LayerContext, calibrate_layer, convert_layer
 from .memory import Stages
 from .methods import PRESETS, Method
@@ -150,6 +157,7 @@ def _open_checked(settings: ConvertSettings, latent_dims, stage: Stages, rope_di
     with stage("open source"):
         source = open_source(settings.model, settings.gguf_file, settings.revision)
     geometry = check_supported(source.config, ignore_sliding_window=settings.ignore_sliding_window)
+    check_shapes(source, geometry)
     for rope_dim in rope_dims or [settings.rope_dim]:
         for latent_dim in latent_dims:
             validate(replace(settings, latent_dim=latent_dim, rope_dim=rope_dim), geometry)
@@ -162,17 +170,22 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
     start = time.time()
     torch.manual_seed(settings.seed)
     settings.method.validate()
+    inputs = local_paths(settings.model, settings.calib_data)
+    if len(set(outputs.values())) != len(outputs):
+        raise UserError("two latent dims would be written to the same output directory")
     for output in outputs.values():
-        check_target(output, settings.overwrite or settings.resume and staging_path(output).exists())
+        # a resumed run that was asked to --overwrite may find the old output still there
+        check_target(output, settings.overwrite or settings.resume and resumable(staging_path(output)), inputs)
     stage = Stages()
     source, geometry = _open_checked(settings, outputs, stage)
+    source_fingerprint = source.fingerprint()
     source = llama_view(source, geometry)  # Granite, Phi-3, Gemma: an exact Llama view (arch/rewrite.py)
     device = stage.device = resolve_device(settings.device)
     out_dtype = resolve_dtype(settings.dtype, source.config)
+    check_room(settings, source, geometry, outputs, out_dtype)
     with stage("calibration text"):
         tokenizer = source.load_tokenizer()
-        ids = token_windows(settings.calib_data, tokenizer, settings.calib_seq_len, settings.calib_samples,
-                            settings.text_field)
+        ids = calibration_windows(settings, tokenizer)
     attention_bias = geometry.q_bias or geometry.k_bias or geometry.v_bias or geometry.o_bias
     drop_biases = attention_bias and drops_biases(settings.target, settings.biases)
     warnings = []
@@ -195,28 +208,62 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
     ]
     check_engines({t.latent_dim: t.config for t in targets}, settings.target, settings.rope_dim,
                   refuse=settings.refuse_unservable, progress=settings.progress)
-    resumed = load_resume(settings, targets, ids)
+    resumed = load_resume(settings, targets, ids, source_fingerprint)
     summaries = {}
     with contextlib.ExitStack() as stack:
         for t in targets:
-            t.staging = stack.enter_context(staged_directory(t.output, settings.overwrite, settings.resume))
+            t.staging = stack.enter_context(staged_directory(
+                t.output, settings.overwrite, settings.resume, kind="convert", inputs=inputs,
+                transient=(RESUME_DIR, PARTS)))
+        if all((t.staging / COMPLETE_MARK).exists() for t in targets):  # killed after the last file: just rename
+            return {t.latent_dim: json.loads((t.staging / "conversion.json").read_text()) for t in targets}
+        for t in targets:
             t.writer = ShardedWriter(t.staging, planned_state_dict(t.config, out_dtype), settings.max_shard_size)
-        _convert_weights(settings, source, geometry, targets, ids, device, resumed, on_layer, stage)
+        _convert_weights(settings, source, geometry, targets, ids, device, resumed, on_layer, stage,
+                         source_fingerprint)
         generation_config = source.load_generation_config()
         for t in targets:
             t.config.save_pretrained(t.staging)
             tokenizer.save_pretrained(t.staging)
             generation_config.save_pretrained(t.staging)
-            summary = conversion_summary(settings, geometry, t, ids, out_dtype, warnings, stage, device, start)
+            summary = conversion_summary(settings, geometry, t, ids, out_dtype, warnings, stage, device, start,
+                                         source_identity=source_fingerprint["identity"])
             with open(Path(t.staging) / "conversion.json", "w") as f:
                 json.dump(summary, f, indent=2)
             write_model_card(Path(t.staging), summary, t.config)
             summaries[t.latent_dim] = summary
+        for t in targets:
+            (t.staging / COMPLETE_MARK).touch()
     return summaries
 
 
+def calibration_windows(settings: ConvertSettings, tokenizer) -> torch.Tensor:
+    """The calibration windows; fewer than asked for is said, and conversion.json records what was used."""
+    ids = token_windows(settings.calib_data, tokenizer, settings.calib_seq_len, settings.calib_samples,
+                        settings.text_field)
+    if len(ids) < settings.calib_samples:
+        print(f"warning: --calib-data yields {len(ids)} windows of {settings.calib_seq_len} tokens, fewer than the "
+              f"{settings.calib_samples} asked for (--calib-samples); calibrating on {len(ids)} (conversion.json and "
+              "the model card record it). Give more text for the statistics asked for.", file=sys.stderr)
+    return ids
+
+
+def check_room(settings: ConvertSettings, source, geometry, outputs, out_dtype) -> None:
+    """Refuse before any work when the output's disk cannot hold it: the parts and the assembled shards coexist
+    until the end, so each output needs about twice its size, plus the resume checkpoint's residual stream."""
+    parameters = source.parameter_count() if hasattr(source, "parameter_count") else None
+    if not parameters:
+        return
+    if not source.has(LM_HEAD):
+        parameters += source.config.vocab_size * geometry.hidden_size  # the output unties a tied head
+    element = torch.tensor([], dtype=out_dtype).element_size()
+    stream = settings.calib_samples * settings.calib_seq_len * geometry.hidden_size * 4 * 2
+    for output in outputs.values():
+        check_writable(Path(output), needed_bytes=2 * parameters * element * len(outputs) + stream)
+
+
 def _convert_weights(settings, source, geometry, targets, ids, device, resumed=None, on_layer=None,
-                     stage: Stages | None = None) -> None:
+                     stage: Stages | None = None, source_fingerprint: dict | None = None) -> None:
     stage = stage or Stages()
     method = settings.method
     layers = SourceLayers(source, geometry, device)
@@ -280,7 +327,7 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
             run_source_layer(layer, hidden, (ctx.cos[None], ctx.sin[None]), settings.batch_size)
         del layer, attn, shared
         with stage("resume checkpoint"):
-            save_resume(settings, targets, ids, hidden, i + 1)
+            save_resume(settings, targets, ids, hidden, i + 1, source_fingerprint or {})
 
     final_norm = source.get(FINAL_NORM)
     head = source.get(LM_HEAD if source.has(LM_HEAD) else EMBED, dtype=None)  # tied source: untie
@@ -288,7 +335,6 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
         t.writer.add_part("final", {FINAL_NORM: final_norm, LM_HEAD: head})
         with stage("assemble shards"):
             t.writer.close()
-    shutil.rmtree(targets[0].staging / RESUME_DIR, ignore_errors=True)
 
 
 def layer_tensors(i: int, attention: dict, layer, scale: float) -> dict:

@@ -10,6 +10,8 @@ sources), taken in proportion to the weights and interleaved, so every batch see
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,16 +38,33 @@ def iter_documents(spec: str, text_field: str = "text") -> Iterator[str]:
             yield from _iter_text_file(path)
             return
         raise UserError(f"unsupported data file {spec}: use .txt, .jsonl, .json or .parquet")
-    if os.sep in spec or spec.startswith("."):
+    if os.sep in spec or spec.startswith(".") or Path(spec).suffix.lower() in (*TEXT_SUFFIXES, *DATASETS_SUFFIXES):
+        # a file name, not a hub dataset: looking it up on the hub would only retry and fail
         raise UserError(f"data file {spec} does not exist")
     name, _, split = spec.partition("@")
     name, _, config = name.partition(":")
     yield from _iter_dataset(name, config or None, split or "train", text_field)
 
 
+# Text files are read as UTF-8; a file with more undecodable or control bytes than this is not text (a binary
+# file, or another encoding) and is refused rather than calibrated on.
+MAX_NON_TEXT = 0.01
+
+
+def _check_text(path: Path, text: str) -> None:
+    if not text.strip():
+        raise UserError(f"data file {path} is empty")
+    sample = text[:1_000_000]
+    bad = sum(1 for c in sample if c == "\ufffd" or (c < " " and c not in "\n\r\t\f"))
+    if bad > MAX_NON_TEXT * len(sample):
+        raise UserError(f"data file {path} does not look like text ({bad / len(sample):.0%} of its characters are "
+                        "undecodable or control bytes); pass a UTF-8 text file")
+
+
 def _iter_text_file(path: Path) -> Iterator[str]:
     """Paragraphs separated by blank lines; a file without blank lines is one document per line."""
     text = path.read_text(encoding="utf-8", errors="replace")
+    _check_text(path, text)
     blocks = [b.strip() for b in text.replace("\r\n", "\n").split("\n\n")]
     if len(blocks) == 1:
         blocks = [line.strip() for line in text.splitlines()]
@@ -57,17 +76,43 @@ def _iter_text_file(path: Path) -> Iterator[str]:
 def _iter_dataset(name, config, split, text_field, data_files=None) -> Iterator[str]:
     import datasets
 
+    what = data_files or f"dataset '{name}'"
+    if data_files is not None and not Path(data_files).stat().st_size:
+        raise UserError(f"data file {data_files} is empty")
     try:
         ds = datasets.load_dataset(name, config, split=split, streaming=True, data_files=data_files)
     except Exception as exc:  # missing dataset, no network, bad split: all reported the same way
-        raise UserError(f"cannot load dataset '{name}' ({type(exc).__name__}: {exc})") from exc
-    for row in ds:
+        raise UserError(f"cannot load {what} ({type(exc).__name__}: {exc})") from exc
+    rows = iter(ds)
+    while True:
+        try:
+            with _quiet("datasets"):  # a malformed file is reported below, once, not also by datasets' logger
+                row = next(rows)
+        except StopIteration:
+            return
+        except Exception as exc:  # a malformed line or file: the reader's words, on one line
+            detail = " ".join(str(exc).split())[:200]
+            raise UserError(f"cannot read {what} ({type(exc).__name__}: {detail}); fix the file (one JSON object "
+                            "per line for .jsonl)") from exc
+        if not isinstance(row, dict):
+            raise UserError(f"{what}: rows must be JSON objects with a '{text_field}' field")
         text = _row_text(row, text_field)
         if text is None:
-            raise UserError(f"dataset '{name}' has no '{text_field}' column (columns: {', '.join(row)}); "
+            raise UserError(f"{what} has no '{text_field}' column (columns: {', '.join(row)}); "
                             "pass --text-field")
         if text.strip():
             yield text
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _row_text(row: dict, text_field: str) -> str | None:

@@ -48,7 +48,7 @@ def _evaluation(settings: DemoSettings, model_dir: str, gguf: str, converted: st
         original=model_dir, gguf_file=gguf, converted=converted, output_dir=str(Path(settings.output_dir) / "report"),
         data=heldout, max_tokens=settings.max_tokens, contexts=settings.contexts,
         new_tokens=settings.new_tokens, tasks=["lee_cloze"], include_path=tasks, dtype="float32",
-        device=settings.device, progress=settings.progress,
+        device=settings.device, progress=settings.progress, overwrite=True,
     )
 
 

@@ -17,20 +17,22 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import __version__
 from .errors import UserError
 from .gguf_tokenizer import LLAMA_CPP_PRE_TOKENIZERS, write_tokenizer
+from .io.staging import local_paths, staged_file
 
 OUTTYPES = ("f32", "bf16", "f16", "q8_0")
 # tensors too small in magnitude for f16 or quantized blocks (see module doc)
 KEEP_PRECISE = ("attn_kv_a_mqa",)
 QUANTIZE_HINT = "llama-quantize --tensor-type attn_kv_a_mqa=bf16 {src} {dst} Q8_0"
+OUR_KEY = "transmla_tool.version"  # metadata key marking a GGUF this tool wrote (llama.cpp ignores unknown keys)
 REQUIRED_CONFIG = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
                    "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "max_position_embeddings",
                    "rms_norm_eps")
@@ -56,29 +58,34 @@ def export_gguf(settings: GGUFSettings) -> dict:
     out = Path(settings.output)
     if out.suffix != ".gguf":
         raise UserError(f"--output {out} must end in .gguf")
-    if out.exists() and not settings.overwrite:
-        raise UserError(f"{out} already exists; pass --overwrite to replace it")
     if settings.tokenizer_pre is not None and settings.tokenizer_pre not in LLAMA_CPP_PRE_TOKENIZERS:
         raise UserError(f"--tokenizer-pre {settings.tokenizer_pre!r} is not a pre-tokenizer llama.cpp knows (it would "
                         "refuse the file); use one of: llama-bpe (Llama 3), qwen2, smollm, gpt-2, ... (see "
                         "LLAMA_CPP_PRE_TOKENIZERS in transmla_tool/gguf_tokenizer.py)")
     tokenizer_source = _tokenizer_source(ckpt, settings)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial")
-    writer = gguf.GGUFWriter(partial, "deepseek2")
-    try:
-        _write_metadata(writer, config, settings.outtype, ckpt.name)
-        write_tokenizer(writer, ckpt, tokenizer_source, settings.tokenizer_pre, config["vocab_size"])
-        tensors = _write_tensors(writer, ckpt, config, settings.outtype)
-        writer.close()
-        os.replace(partial, out)
-    except BaseException:
-        writer.close()
-        partial.unlink(missing_ok=True)
-        raise
+    inputs = local_paths(str(ckpt), tokenizer_source)
+    with staged_file(out, settings.overwrite, inputs, is_ours=written_by_us) as partial:
+        writer = gguf.GGUFWriter(partial, "deepseek2")
+        try:
+            _write_metadata(writer, config, settings.outtype, ckpt.name)
+            writer.add_string(OUR_KEY, __version__)
+            write_tokenizer(writer, ckpt, tokenizer_source, settings.tokenizer_pre, config["vocab_size"])
+            tensors = _write_tensors(writer, ckpt, config, settings.outtype)
+        finally:
+            writer.close()
     return {"output": str(out), "outtype": settings.outtype, "tensors": tensors, "run_flags": run_flags(config),
             "bytes": out.stat().st_size, "tokenizer": tokenizer_source or "tokenizer.json",
             "quantize": QUANTIZE_HINT.format(src=out, dst=out.with_name(out.stem + "-Q8_0.gguf"))}
+
+
+def written_by_us(path: Path) -> bool:
+    """Does the GGUF at `path` carry the key export-gguf writes (so --overwrite may replace it)?"""
+    from gguf import GGUFReader
+
+    try:
+        return OUR_KEY in GGUFReader(str(path)).fields
+    except Exception:  # noqa: BLE001 -- unreadable: not ours to replace
+        return False
 
 
 def run_flags(config: dict) -> list[str]:

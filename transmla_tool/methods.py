@@ -7,6 +7,7 @@ overridden on the command line (`--set name=value`) so ablations need no code.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
 from .errors import UserError
@@ -102,6 +103,10 @@ class Method:
         return method
 
     def validate(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"method setting {f.name}={value} must be a finite number")
         choices = {
             "rope_weighting": ("key", "score"),
             "nope_rotation": ("none", "expected"),
@@ -123,6 +128,8 @@ class Method:
             raise UserError(f"refine_value_solve={self.refine_value_solve} must be >= 0")
         if self.refine_cache != "none" and not self.refines:
             raise UserError(f"refine_cache={self.refine_cache} needs refinement (refine_steps or refine_value_solve > 0)")
+        if self.refine_lr <= 0:
+            raise UserError(f"refine_lr={self.refine_lr} must be > 0")
         if self.refine_anchor < 0:
             raise UserError(f"refine_anchor={self.refine_anchor} must be >= 0")
         if self.refine_noise < 0:

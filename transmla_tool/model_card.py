@@ -45,9 +45,12 @@ def write_model_card(directory: Path, summary: dict, config, extra_sections: lis
         "| setting | value |",
         "|---|---|",
     ]
-    for key in ("latent_dim", "rope_dim", "calib_data", "calib_samples", "calib_seq_len", "calib_tokens",
-                "seed", "method_name"):
-        lines.append(f"| {key} | `{settings.get(key)}` |")
+    for key in ("latent_dim", "rope_dim", "calib_data", "calib_samples", "calib_windows", "calib_seq_len",
+                "calib_tokens", "seed", "method_name"):
+        if key == "calib_windows" and settings.get(key) is None:
+            continue  # written by versions before 2026-11-28
+        label = {"calib_samples": "calib_samples (asked for)", "calib_windows": "calib_windows (used)"}.get(key, key)
+        lines.append(f"| {label} | `{settings.get(key)}` |")
     for key, value in settings["method"].items():
         lines.append(f"| method.{key} | `{value}` |")
     lines += [f"| output dtype | `{summary['dtype']}` |", ""]

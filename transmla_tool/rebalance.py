@@ -29,7 +29,7 @@ from .convert import DEFAULT_CALIB_DATA
 from .data import token_windows
 from .devices import resolve_device
 from .errors import UserError
-from .io.staging import check_target
+from .io.staging import check_target, local_paths
 from .methods import recorded_method
 from .ops.basis import ROPE_KEY_BALANCES, balance_rope_key, rope_pair_energy
 
@@ -53,11 +53,17 @@ class RebalanceSettings:
                             f"got {self.balance!r}")
         if min(self.calib_samples, self.calib_seq_len, self.batch_size) < 1:
             raise UserError("--calib-samples, --calib-seq-len and --batch-size must be >= 1")
+        if not Path(self.model).exists():
+            raise UserError(f"checkpoint {self.model} does not exist; pass the directory transmla-tool convert or heal "
+                            "wrote")
         if not (Path(self.model) / "conversion.json").exists():
             raise UserError(f"{self.model} has no conversion.json: rebalance reads checkpoints written by "
                             "transmla-tool convert or heal (their latent norm is linearized); convert the model first")
         relative_power(carried_power(self.model), ROPE_KEY_BALANCES[self.balance])  # refuses what cannot be reached
-        check_target(self.output, self.overwrite)
+        check_target(self.output, self.overwrite, self.inputs())
+
+    def inputs(self) -> list[Path]:
+        return local_paths(self.model, self.calib_data)
 
 
 def rebalance(settings: RebalanceSettings) -> dict:
@@ -100,7 +106,8 @@ def rebalance(settings: RebalanceSettings) -> dict:
     natural = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     write_stock_checkpoint(natural, model.config, output=settings.output, overwrite=settings.overwrite,
                            tokenizer=tokenizer, source_dir=settings.model, dtype=dtype,
-                           records={"rebalance.json": record}, sections=[section])
+                           records={"rebalance.json": record}, sections=[section], kind="rebalance",
+                           inputs=settings.inputs())
     return record
 
 

@@ -13,12 +13,15 @@ from .engines import servability
 from .export import residual_scale
 
 
-def conversion_summary(settings, geometry, target, ids, out_dtype, warnings: list, stage, device, start: float) -> dict:
+def conversion_summary(settings, geometry, target, ids, out_dtype, warnings: list, stage, device, start: float,
+                       source_identity: str | None = None) -> dict:
     """The summary of one output of a conversion (target: convert's per-output record)."""
     return {
         "tool": "transmla_tool",
         "version": __version__,
         "source": _source_name(settings),
+        # the weights' content digest (io/source.py identity): eval and heal check their original / teacher by it
+        "source_identity": source_identity,
         "family": geometry.family.name,
         # how the family maps onto the stock layout: folded exactly (Granite, Phi-3, Gemma), or approximated
         "family_notes": list(geometry.family.notes),
@@ -54,6 +57,7 @@ def _settings_dict(settings, ids) -> dict:
     out = {k: v for k, v in asdict(settings).items() if k not in ("method", "progress", "overwrite")}
     out["method"] = settings.method.as_dict()
     out["calib_tokens"] = int(ids.numel())
+    out["calib_windows"] = int(ids.shape[0])  # what the text gave: calib_samples is what was asked for
     return out
 
 

@@ -21,13 +21,23 @@ from .devices import resolve_device, resolve_eval_dtype
 from .engines import VLLM, sglang_size_ok
 from .errors import UserError
 from .evaluate.cache import cache_tensors_bytes, cached_values_per_token_per_layer, prefill
-from .evaluate.frontier import (DEFAULT_ORIGINAL_TYPES, check_mla_sizes, markdown_table, parse_cache_types, point_key,
-                                points_from_sweep, recommend, reference_cache)
+from .evaluate.frontier import (
+    DEFAULT_ORIGINAL_TYPES,
+    check_mla_sizes,
+    markdown_table,
+    parse_cache_types,
+    point_key,
+    points_from_sweep,
+    recommend,
+    reference_cache,
+)
 from .evaluate.frontier import plot as plot_frontier
 from .evaluate.models import check_scoring, context_ids, load_model, load_tokenizer
 from .evaluate.perplexity import perplexity
-from .io.staging import check_target, make_parents, remove_empty
+from .io.staging import check_target, local_paths, staged_directory
 from .methods import resolve_method
+
+CHECKPOINTS = "checkpoints"
 
 
 @dataclass
@@ -84,7 +94,8 @@ def run_sweep(settings: SweepSettings) -> dict:
         raise UserError("--rope-dim needs one or more distinct values, e.g. 64 or 32,64")
     check_scoring(settings.eval_batch_size, settings.seq_len, settings.max_tokens)
     types = check_engine(settings)
-    out = check_target(settings.output_dir, settings.overwrite)
+    inputs = local_paths(settings.model, settings.calib_data, settings.data)
+    out = check_target(settings.output_dir, settings.overwrite, inputs)
     ropes, latents = sorted(settings.rope_dims, reverse=True), sorted(settings.latent_dims)
     convert_settings = ConvertSettings(
         model=settings.model, gguf_file=settings.gguf_file, revision=settings.revision, output="",
@@ -102,28 +113,26 @@ def run_sweep(settings: SweepSettings) -> dict:
                 check_mla_sizes(types, r, rope, f"latent {r} + rope {rope}")
     if len(ropes) > 1:  # every further rope dim checked before the first one converts (the first: by convert_many)
         check_outputs(convert_settings, latents, ropes[1:])
-    parents = make_parents(out)
-    created = not out.exists()
-    out.mkdir(exist_ok=True)
-    checkpoints = out / "checkpoints"
     suffix = (lambda p: "") if len(ropes) == 1 else (lambda p: f"-rope{p}")
-    outputs = {(r, p): str(checkpoints / f"latent{r}{suffix(p)}") for p in ropes for r in latents}
-    try:
+    names = {(r, p): f"latent{r}{suffix(p)}" for p in ropes for r in latents}
+    kept = [f"{CHECKPOINTS}/{name}" for name in names.values()] if settings.keep_checkpoints else []
+    # staged like every output: a failed or interrupted sweep leaves nothing behind, a finished one replaces the
+    # old output (this tool's only) as a whole
+    with staged_directory(out, settings.overwrite, kind="sweep", inputs=inputs, parts=lambda _: kept) as staging:
+        checkpoints = staging / CHECKPOINTS
+        outputs = {key: str(checkpoints / name) for key, name in names.items()}
         summaries = {}
         for rope in ropes:
             done = convert_many(replace(convert_settings, rope_dim=rope), {r: outputs[(r, rope)] for r in latents})
             summaries.update({(r, rope): summary for r, summary in done.items()})
         result = _evaluate(settings, outputs, summaries, start, types)
-    except BaseException:
-        # a failed sweep leaves nothing that a rerun would have to --overwrite
-        shutil.rmtree(out if created else checkpoints, ignore_errors=True)
-        remove_empty(parents)
-        raise
-    if not settings.keep_checkpoints:
-        shutil.rmtree(checkpoints, ignore_errors=True)
-    (out / "sweep.json").write_text(json.dumps(result, indent=2))
-    (out / "sweep.md").write_text(markdown(result))
-    plot(result, out / "sweep.png")
+        for point in result["points"]:  # where the checkpoint will be, not where it was staged
+            point["model"] = str(out / CHECKPOINTS / Path(point["model"]).name)
+        if not settings.keep_checkpoints:
+            shutil.rmtree(checkpoints, ignore_errors=True)
+        (staging / "sweep.json").write_text(json.dumps(result, indent=2))
+        (staging / "sweep.md").write_text(markdown(result))
+        plot(result, staging / "sweep.png")
     return result
 
 

@@ -139,3 +139,32 @@ def decoder_classes(geometry: AttentionGeometry):
     module = importlib.import_module(geometry.family.modeling_module)
     prefix = geometry.family.class_prefix
     return getattr(module, f"{prefix}DecoderLayer"), getattr(module, f"{prefix}RotaryEmbedding")
+
+
+def check_shapes(source, geometry: AttentionGeometry) -> None:
+    """The weights are the ones the config describes (checked from file headers where the source can read shapes
+    without loading: safetensors): a config.json edited or taken from another model is refused here, in one line,
+    instead of failing deep inside the conversion."""
+    from .families import ATTN, EMBED, LAYER_PREFIX
+
+    shape = getattr(source, "shape", None)
+    if shape is None:
+        return
+    g = geometry
+    expected = {EMBED: (source.config.vocab_size, g.hidden_size)}
+    if g.family.rewrite is None:  # Llama's layout: q/k/v/o by name (Phi-3 fuses them; its view checks its own)
+        for i in (0, g.num_layers - 1):
+            prefix = LAYER_PREFIX.format(i=i)
+            expected[prefix + ATTN["q"] + ".weight"] = (g.num_heads * g.head_dim, g.hidden_size)
+            expected[prefix + ATTN["k"] + ".weight"] = (g.num_kv_heads * g.head_dim, g.hidden_size)
+            expected[prefix + ATTN["o"] + ".weight"] = (g.hidden_size, g.num_heads * g.head_dim)
+    for name, want in expected.items():
+        found = shape(name)
+        if found is not None and tuple(found) != tuple(want):
+            raise UnsupportedModelError(
+                f"the config does not describe these weights: {name} has shape {tuple(found)}, the config implies "
+                f"{tuple(want)}; restore the checkpoint's own config.json")
+    extra = LAYER_PREFIX.format(i=g.num_layers) + ATTN["q"] + ".weight"
+    if shape(extra) is not None:
+        raise UnsupportedModelError(f"the config says {g.num_layers} layers but the weights hold more ({extra}); "
+                                    "restore the checkpoint's own config.json")

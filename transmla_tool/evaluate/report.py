@@ -156,6 +156,7 @@ def plots(report: dict, directory: Path) -> list[str]:
 
 
 def write_report(report: dict, directory: Path) -> None:
+    """report.json, report.md and the plots into `directory` (eval stages it and renames it when complete)."""
     directory.mkdir(parents=True, exist_ok=True)
     report["plots"] = plots(report, directory)
     (directory / "report.json").write_text(json.dumps(report, indent=2))

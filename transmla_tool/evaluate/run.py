@@ -16,6 +16,8 @@ import torch
 from ..data import token_windows
 from ..devices import resolve_device, resolve_eval_dtype
 from ..errors import UserError
+from ..io.staging import check_target, local_paths, staged_directory
+from ..provenance import conversion_record
 from .backends import BACKENDS, backend
 from .backends.transformers import ATTENTION_MODES
 from .frontier import reference_cache
@@ -59,6 +61,7 @@ class EvalSettings:
     device: str = "auto"
     seed: int = 0
     progress: bool = True
+    overwrite: bool = False  # replace an existing report directory (one this tool wrote)
 
 
 def check_settings(settings: EvalSettings, converted_exists: bool = True):
@@ -66,8 +69,9 @@ def check_settings(settings: EvalSettings, converted_exists: bool = True):
     converted_exists=False: the converted model is still to be made (the demo checks before converting)."""
     device = resolve_device(settings.device)
     dtype = resolve_eval_dtype(settings.dtype, device)
-    if converted_exists and not Path(settings.converted).is_dir():
-        raise UserError(f"--converted {settings.converted} is not a directory written by transmla-tool convert")
+    if converted_exists:
+        conversion_record(settings.converted, "--converted")
+    check_target(settings.output_dir, settings.overwrite, eval_inputs(settings), flag="--output-dir")
     if any(c < 1 for c in settings.contexts):
         raise UserError("--contexts must be positive token counts")
     if settings.attention not in ATTENTION_MODES:
@@ -104,6 +108,7 @@ def run_eval(settings: EvalSettings) -> dict:
     torch.manual_seed(settings.seed)
     device, dtype = check_settings(settings)
     tokenizer = load_tokenizer(settings.original, settings.gguf_file)
+    check_pair(settings, tokenizer)
     max_windows = settings.skip_windows + max(1, settings.max_tokens // settings.seq_len)
     chosen = backend(settings.engine)
     if hasattr(chosen, "prepare"):
@@ -112,8 +117,28 @@ def run_eval(settings: EvalSettings) -> dict:
                             min_windows=settings.skip_windows + 1)[settings.skip_windows :]
     results = chosen.evaluate_pair(settings, windows, tokenizer, dtype, device)
     report = build_report(results, settings, device, dtype, time.time() - start)
-    write_report(report, Path(settings.output_dir))
+    with staged_directory(settings.output_dir, settings.overwrite, kind="eval", inputs=eval_inputs(settings)) as out:
+        write_report(report, out)
     return report
+
+
+def eval_inputs(settings: EvalSettings) -> list[Path]:
+    return local_paths(settings.original, settings.converted, settings.data, settings.include_path)
+
+
+def check_pair(settings: EvalSettings, tokenizer) -> None:
+    """The converted model reads text as the original does and was converted from it: anything else would be
+    scored on other token ids, or compared with a model it was not made from, and still print a plausible report."""
+    import sys
+
+    from ..provenance import check_source, compare_tokenizers, conversion_record
+
+    record = conversion_record(settings.converted, "--converted")
+    compare_tokenizers(tokenizer, load_tokenizer(settings.converted, None), f"--original {settings.original}",
+                       f"--converted {settings.converted}")
+    warning = check_source(record, settings.original, settings.gguf_file, "--original", settings.converted)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: float) -> dict:

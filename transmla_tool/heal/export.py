@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ..io.staging import local_paths
 from ..io.stock import write_stock_checkpoint
 from .settings import HealSettings
 
@@ -30,4 +31,5 @@ def export(natural_state: dict, config, settings: HealSettings, tokenizer, summa
                    "an exact cache is not what it was fitted for." if settings.cache_type else ""))
     write_stock_checkpoint(natural_state, config, output=settings.output, overwrite=settings.overwrite,
                            tokenizer=tokenizer, source_dir=settings.model, dtype=dtype,
-                           records={"healing.json": summary}, sections=[section])
+                           records={"healing.json": summary}, sections=[section], kind="heal",
+                           inputs=local_paths(settings.model, settings.teacher, settings.data, settings.eval_data))

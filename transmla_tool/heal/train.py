@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -21,7 +22,17 @@ from tqdm.auto import tqdm
 
 from ..data import token_windows
 from ..errors import UserError
-from ..io.staging import check_target
+from ..io.staging import (
+    KEPT,
+    LOCK_FILE,
+    MARKER,
+    check_not_input,
+    check_target,
+    check_writable,
+    local_paths,
+    marker_of,
+    write_marker,
+)
 from .checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import train_batches
 from .export import checkpoint_dtype, export
@@ -67,14 +78,18 @@ def heal(settings: HealSettings, on_step=None) -> dict:
     accelerator = Accelerator(gradient_accumulation_steps=settings.grad_accum, mixed_precision=precision,
                               cpu=not cuda)
     main = accelerator.is_main_process
-    check_target(settings.output, settings.overwrite)
     ckpt_dir = Path(settings.checkpoint_dir or f"{settings.output}.ckpt")
+    inputs = local_paths(settings.model, settings.teacher, settings.data, settings.eval_data)
+    check_target(settings.output, settings.overwrite, [*inputs, ckpt_dir.resolve()])
+    check_checkpoint_dir(ckpt_dir, inputs)
+    check_teacher(settings)
     resume_from = latest_checkpoint(ckpt_dir) if settings.resume and ckpt_dir.exists() else None
     if settings.resume and resume_from is None and main:
         print(f"--resume: no checkpoint in {ckpt_dir}, starting from step 0")
     if ckpt_dir.exists() and not settings.resume and list(ckpt_dir.glob("step-*")):
         if not settings.overwrite:
-            raise UserError(f"{ckpt_dir} holds checkpoints of an earlier run; pass --resume or --overwrite")
+            raise UserError(f"{ckpt_dir} holds checkpoints of an earlier run; pass --resume to continue it or "
+                            "--overwrite to discard them")
         if main:
             shutil.rmtree(ckpt_dir)
     accelerator.wait_for_everyone()
@@ -82,13 +97,76 @@ def heal(settings: HealSettings, on_step=None) -> dict:
         check_fingerprint(ckpt_dir, fingerprint(settings, accelerator.num_processes))
     set_seed(settings.seed)
     fresh_ckpt_dir = not ckpt_dir.exists()
+    if main:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        write_marker(ckpt_dir, CHECKPOINTS_KIND)
+        (ckpt_dir / LOCK_FILE).write_text(str(os.getpid()))
     try:
         return _train(settings, accelerator, ckpt_dir, resume_from, precision, on_step)
     except BaseException:
         # a run that failed before its first checkpoint leaves no checkpoint directory behind
         if main and fresh_ckpt_dir and ckpt_dir.exists() and latest_checkpoint(ckpt_dir) is None:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
+        elif main and latest_checkpoint(ckpt_dir) is not None:
+            KEPT.append((ckpt_dir, "rerun the same command with --resume"))
         raise
+    finally:
+        if main and ckpt_dir.exists():
+            (ckpt_dir / LOCK_FILE).unlink(missing_ok=True)
+
+
+CHECKPOINTS_KIND = "heal-checkpoints"
+
+
+def check_checkpoint_dir(ckpt_dir: Path, inputs: list[Path]) -> None:
+    """The checkpoint directory is heal's own (or new), not an input, and no other live heal is writing it."""
+    check_not_input(ckpt_dir, inputs, "--checkpoint-dir")
+    if not ckpt_dir.exists():
+        check_writable(ckpt_dir)
+        return
+    if not ckpt_dir.is_dir():
+        raise UserError(f"--checkpoint-dir {ckpt_dir} is a file; give a directory path")
+    record = marker_of(ckpt_dir)
+    strangers = [p.name for p in ckpt_dir.iterdir() if not _heal_writes(p.name)]
+    if (record or {}).get("kind") not in (None, CHECKPOINTS_KIND) or strangers:
+        found = ", ".join(strangers[:3]) or MARKER
+        raise UserError(f"--checkpoint-dir {ckpt_dir} holds files heal did not write ({found}); choose another "
+                        "directory")
+    lock = ckpt_dir / LOCK_FILE
+    if lock.exists():
+        try:
+            pid = int(lock.read_text().strip())
+            os.kill(pid, 0)
+        except (ValueError, OSError):
+            return  # a dead run's lock
+        if pid != os.getpid():
+            raise UserError(f"another heal (pid {pid}) is writing {ckpt_dir}; wait for it or stop it")
+
+
+def _heal_writes(name: str) -> bool:
+    """Is `name` something heal writes into its checkpoint directory?"""
+    return name in (MARKER, LOCK_FILE, SETTINGS_FILE, "log.jsonl") or (
+        name.startswith("step-") and name[5:].isdigit())
+
+
+def check_teacher(settings: HealSettings) -> None:
+    """The teacher is the model the student was converted from, and both read text the same way."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from ..evaluate.models import load_tokenizer
+    from ..provenance import check_source, compare_tokenizers, conversion_record
+
+    if not settings.teacher:
+        return
+    record = conversion_record(settings.model, "--model")
+    compare_tokenizers(load_tokenizer(settings.teacher, settings.teacher_gguf_file),
+                       AutoTokenizer.from_pretrained(settings.model), f"--teacher {settings.teacher}",
+                       f"--model {settings.model}")
+    warning = check_source(record, settings.teacher, settings.teacher_gguf_file, "--teacher", settings.model)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def _models(settings: HealSettings, accelerator):

@@ -24,31 +24,57 @@ if TYPE_CHECKING:
 RESUME_DIR = "resume"
 
 
-def resume_key(settings: ConvertSettings, targets) -> str:
-    """What must be equal for a partial conversion to be continued."""
-    ignored = ("progress", "overwrite", "resume", "output", "batch_size", "refuse_unservable")
+def resume_key(settings: ConvertSettings, targets, source_fingerprint: dict) -> dict:
+    """What must be equal for a partial conversion to be continued: every setting that changes the result
+    (--batch-size too: it changes the rounding of the statistics) and the source's weights and config."""
+    ignored = ("progress", "overwrite", "resume", "output", "refuse_unservable")
     key = {k: v for k, v in asdict(settings).items() if k not in ignored}
     key["latent_dims"] = [t.latent_dim for t in targets]
-    return json.dumps(key, sort_keys=True, default=str)
+    key["source"] = source_fingerprint
+    return json.loads(json.dumps(key, sort_keys=True, default=str))
 
 
-def load_resume(settings, targets, ids) -> dict | None:
+def _differences(saved: dict, current: dict) -> list[str]:
+    """The fields that differ, named the way a user sets them."""
+    out = []
+    for name in sorted(set(saved) | set(current)):
+        before, after = saved.get(name), current.get(name)
+        if before == after:
+            continue
+        if name == "source" and isinstance(before, dict) and isinstance(after, dict):
+            changed = [f for f in sorted(set(before.get("files", {})) | set(after.get("files", {})))
+                       if before.get("files", {}).get(f) != after.get("files", {}).get(f)]
+            what = f"weight files changed: {', '.join(changed[:3])}" if changed else (
+                "config changed" if before.get("config") != after.get("config") else "weights changed")
+            out.append(f"the source model ({what})")
+        elif name == "method" and isinstance(before, dict) and isinstance(after, dict):
+            out += [f"--set {k}: {before.get(k)!r} -> {after.get(k)!r}" for k in sorted(set(before) | set(after))
+                    if before.get(k) != after.get(k)]
+        else:
+            out.append(f"--{name.replace('_', '-')}: {before!r} -> {after!r}")
+    return out
+
+
+def load_resume(settings, targets, ids, source_fingerprint: dict) -> dict | None:
     """The checkpointed state of an interrupted conversion, or None to start from layer 0. Checked
     before the staging directory is entered, so a refused resume leaves the unfinished work alone."""
     state_file = staging_path(targets[0].output) / RESUME_DIR / "state.json"
     if not settings.resume or not state_file.exists():
         return None
     state = json.loads(state_file.read_text())
-    if state["key"] != resume_key(settings, targets):
-        raise UserError(f"the unfinished conversion in {state_file.parent.parent} used other settings; rerun it with "
-                        "the same settings, or pass --overwrite instead of --resume to start over")
+    saved = state["key"] if isinstance(state["key"], dict) else json.loads(state["key"])
+    changed = _differences(saved, resume_key(settings, targets, source_fingerprint))
+    if changed:
+        raise UserError(f"the unfinished conversion in {state_file.parent.parent} was made with other settings "
+                        f"({'; '.join(changed)}); rerun it with the same ones, or pass --overwrite instead of "
+                        "--resume to start over")
     if not torch.equal(torch.load(state_file.parent / "ids.pt"), ids):
         raise UserError("the calibration text differs from the unfinished conversion's; use the same "
                         "--calib-data, or --overwrite to start over")
     return state
 
 
-def save_resume(settings, targets, ids, hidden, next_layer: int) -> None:
+def save_resume(settings, targets, ids, hidden, next_layer: int, source_fingerprint: dict) -> None:
     """Checkpoint after a finished layer: the calibration stream(s), then the state file (the commit point)."""
     root = targets[0].staging / RESUME_DIR
     root.mkdir(exist_ok=True)
@@ -64,7 +90,7 @@ def save_resume(settings, targets, ids, hidden, next_layer: int) -> None:
     for t in targets:
         if t.stream is not None:
             save(t.stream.cpu(), f"stream-{t.latent_dim}.pt")
-    state = {"key": resume_key(settings, targets), "next_layer": next_layer,
+    state = {"key": resume_key(settings, targets, source_fingerprint), "next_layer": next_layer,
              "reports": {str(t.latent_dim): t.reports for t in targets}}
     tmp = root / "state.json.tmp"
     tmp.write_text(json.dumps(state))

@@ -9,6 +9,7 @@ gguf package and transformers' own GGUF name mapping).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from ..errors import UserError
 
 # What we need from a hub repository: weights, config, tokenizer and generation config.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+SAMPLE_BYTES = 1 << 20  # read from each end of every weight file for the source's identity
 
 
 @dataclass
@@ -33,6 +35,33 @@ class CheckpointSource:
 
     def names(self) -> set[str]:
         raise NotImplementedError
+
+    def weight_files(self) -> list[Path]:
+        """The files the weights are read from."""
+        raise NotImplementedError
+
+    def identity(self) -> str:
+        """A digest of the weights' content (file names, sizes and the first and last MiB of each): equal for
+        the same checkpoint wherever it lies, different for other weights. conversion.json records it so that
+        eval and heal can check they were given the model a checkpoint was converted from."""
+        digest = hashlib.sha256()
+        for path in sorted(self.weight_files(), key=lambda p: p.name):
+            size = path.stat().st_size
+            digest.update(f"{path.name}:{size}:".encode())
+            with open(path, "rb") as f:
+                digest.update(f.read(SAMPLE_BYTES))
+                if size > SAMPLE_BYTES:
+                    f.seek(max(SAMPLE_BYTES, size - SAMPLE_BYTES))
+                    digest.update(f.read(SAMPLE_BYTES))
+        return digest.hexdigest()[:32]
+
+    def fingerprint(self) -> dict:
+        """What a resumed conversion must find unchanged: the weights' identity, each file's size and
+        modification time, and the config."""
+        files = {p.name: {"bytes": p.stat().st_size, "mtime": round(p.stat().st_mtime, 3)}
+                 for p in self.weight_files()}
+        config = hashlib.sha256(self.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+        return {"identity": self.identity(), "files": files, "config": config}
 
     def has(self, name: str) -> bool:
         return name in self.names()
@@ -68,6 +97,50 @@ class CheckpointSource:
             return GenerationConfig.from_model_config(self.config)
 
 
+# what every family we convert names in config.json; without them transformers would assume its defaults (a 7B
+# shape) and the conversion would fail deep inside with a shape error
+REQUIRED_CONFIG = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                   "intermediate_size")
+
+
+def _check_config_file(directory: Path) -> None:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise UserError(f"{directory} has no config.json; pass a checkpoint directory (config.json and .safetensors), "
+                        "a hub id, or a GGUF with --gguf-file")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not valid JSON ({exc}); restore the checkpoint's config.json") from exc
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} does not hold a JSON object; restore the checkpoint's config.json")
+    nested = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    missing = [key for key in REQUIRED_CONFIG if raw.get(key) is None and nested.get(key) is None]
+    if missing:
+        raise UserError(f"{path} lacks {', '.join(missing)} (transformers would assume its defaults); restore the "
+                        "checkpoint's config.json")
+
+
+def safetensors_header(path: Path) -> dict:
+    """The tensor table of a safetensors file, checked against the file's size: a truncated or foreign file is a
+    one-line error here, not a traceback in the middle of a conversion."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= size - 8:
+                raise ValueError(f"header length {length} in a file of {size} bytes")
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path} is not a readable safetensors file ({exc}); download or copy it again") from exc
+    if 8 + length + end > size:
+        raise UserError(f"{path} is truncated ({size} bytes, its header promises {8 + length + end}); download or "
+                        "copy it again")
+    return header
+
+
 class SafetensorsSource(CheckpointSource):
     """A directory with model.safetensors or model-0000x-of-0000y.safetensors + index."""
 
@@ -77,22 +150,43 @@ class SafetensorsSource(CheckpointSource):
         directory = Path(directory)
         super().__init__(location=display or str(directory))
         self.directory = directory
+        _check_config_file(directory)
         try:
             self.config = AutoConfig.from_pretrained(directory)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserError(f"cannot read a config.json in {directory}: {exc}") from exc
         self.tokenizer_args = (str(directory),)
-        self._file_of = self._index(directory)
+        self._headers: dict[str, dict] = {}
+        self._file_of = self._index(directory, self._headers)
+
+    def parameter_count(self) -> int:
+        import math
+
+        return sum(math.prod(t["shape"]) for header in self._headers.values() for t in header.values())
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        """A tensor's shape from its file's header (nothing loaded), or None when it is absent."""
+        file = self._file_of.get(name)
+        return None if file is None else tuple(self._headers[file][name]["shape"])
 
     @staticmethod
-    def _index(directory: Path) -> dict[str, str]:
+    def _index(directory: Path, headers: dict) -> dict[str, str]:
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise UserError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc}); download the "
+                                "checkpoint again") from exc
             missing = sorted({f for f in weight_map.values() if not (directory / f).exists()})
             if missing:
                 raise UserError(f"{directory} lists shards that are missing: {', '.join(missing[:3])}")
+            for name in sorted(set(weight_map.values())):
+                headers[name] = safetensors_header(directory / name)
+            unlisted = sorted(t for t, f in weight_map.items() if t not in headers[f])
+            if unlisted:
+                raise UserError(f"{index} maps {unlisted[0]} to {weight_map[unlisted[0]]}, which does not hold it; "
+                                "download the checkpoint again")
             return dict(weight_map)
         files = sorted(directory.glob("*.safetensors"))
         if not files:
@@ -100,17 +194,15 @@ class SafetensorsSource(CheckpointSource):
                 f"no .safetensors weights in {directory}; convert .bin checkpoints with "
                 "transformers' save_pretrained(safe_serialization=True) or pass --gguf-file"
             )
-        from safetensors import safe_open
-
-        file_of = {}
         for path in files:
-            with safe_open(path, framework="pt") as f:
-                for key in f.keys():
-                    file_of[key] = path.name
-        return file_of
+            headers[path.name] = safetensors_header(path)
+        return {key: name for name, header in headers.items() for key in header}
 
     def names(self) -> set[str]:
         return set(self._file_of)
+
+    def weight_files(self) -> list[Path]:
+        return [self.directory / name for name in sorted(set(self._file_of.values()))]
 
     def _load(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -137,13 +229,17 @@ class GGUFSource(CheckpointSource):
         if not path.exists():
             raise UserError(f"GGUF file {path} does not exist; check --model and --gguf-file")
         super().__init__(location=str(path))
+        try:  # read first: a truncated or foreign file fails here with numpy's or struct's words, not the loader's
+            self._reader = GGUFReader(str(path))
+        except Exception as exc:  # every parse failure means the same thing to the user
+            raise UserError(f"{path} is not a readable GGUF file, truncated or corrupt ({type(exc).__name__}: "
+                            f"{exc}); download or copy it again") from exc
         try:
             self.config = AutoConfig.from_pretrained(str(directory), gguf_file=gguf_file)
         except (ValueError, KeyError) as exc:
             raise UserError(f"cannot read the GGUF metadata of {path}: {exc}") from exc
         self.tokenizer_args = (str(directory),)
         self.tokenizer_kwargs = {"gguf_file": gguf_file}
-        self._reader = GGUFReader(str(path))
         self._by_hf_name = self._map_names()
 
     def load_tokenizer(self):
@@ -170,6 +266,12 @@ class GGUFSource(CheckpointSource):
 
     def names(self) -> set[str]:
         return set(self._by_hf_name)
+
+    def weight_files(self) -> list[Path]:
+        return [Path(self.location)]
+
+    def parameter_count(self) -> int:
+        return sum(int(t.n_elements) for t in self._reader.tensors)
 
     def _load(self, name: str) -> torch.Tensor:
         import numpy as np

@@ -18,7 +18,8 @@ RECORDS = ("conversion.json", "healing.json", "rebalance.json")  # what a checkp
 
 
 def write_stock_checkpoint(natural_state: dict, config, *, output: str, overwrite: bool, tokenizer, source_dir: str,
-                           dtype: torch.dtype, records: dict[str, dict], sections: list[str]) -> None:
+                           dtype: torch.dtype, records: dict[str, dict], sections: list[str], kind: str,
+                           inputs: list[Path] = ()) -> None:
     """Write the stock checkpoint of `natural_state` to `output`: the source's records are carried over, the ones
     in `records` (file name -> content) written or replaced, and `sections` appended to the model card."""
     from transformers import DeepseekV3ForCausalLM, GenerationConfig
@@ -35,7 +36,7 @@ def write_stock_checkpoint(natural_state: dict, config, *, output: str, overwrit
     carried = {name: json.loads((Path(source_dir) / name).read_text())
                for name in RECORDS if (Path(source_dir) / name).exists()}
     carried.update(records)
-    with staged_directory(output, overwrite) as staging:
+    with staged_directory(output, overwrite, kind=kind, inputs=list(inputs)) as staging:
         stock.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         try:

@@ -19,6 +19,8 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .staging import ASSEMBLED_MARK
+
 # Memory during assembly is one shard: 2GB keeps an 8B conversion's peak low (save_pretrained's
 # 5GB default would dominate it). Pass max_shard_size to change it.
 DEFAULT_MAX_SHARD = "2GB"
@@ -72,7 +74,16 @@ class ShardedWriter:
         return where
 
     def close(self) -> list[str]:
-        """Assemble the shards (and the index when sharded) and remove the parts."""
+        """Assemble the shards (and the index when sharded) and remove the parts. Resumable: each shard is written
+        under a temporary name and renamed, and ASSEMBLED_MARK is set once all are there, before any part is
+        removed; a run killed here assembles again, or finds the mark and only removes the parts."""
+        if not (self.directory / ASSEMBLED_MARK).exists():
+            self._assemble()
+            (self.directory / ASSEMBLED_MARK).touch()
+        shutil.rmtree(self.parts, ignore_errors=True)
+        return sorted(self.split.filename_to_tensors)
+
+    def _assemble(self) -> None:
         where = self._part_index()
         missing = sorted(set(self.planned) - set(where))
         if missing:
@@ -84,11 +95,13 @@ class ShardedWriter:
                     for name in names:
                         if where[name] == path:
                             shard[name] = f.get_tensor(name)
-            save_file(shard, str(self.directory / filename), metadata={"format": "pt"})
+            tmp = self.directory / f"{filename}.tmp"
+            save_file(shard, str(tmp), metadata={"format": "pt"})
+            os.replace(tmp, self.directory / filename)
             del shard
         if self.split.is_sharded:
             index = {"metadata": dict(self.split.metadata), "weight_map": dict(self.split.tensor_to_filename)}
-            with open(self.directory / "model.safetensors.index.json", "w") as f:
+            tmp = self.directory / "model.safetensors.index.json.tmp"
+            with open(tmp, "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
-        shutil.rmtree(self.parts)
-        return sorted(self.split.filename_to_tensors)
+            os.replace(tmp, self.directory / "model.safetensors.index.json")

@@ -1,0 +1,99 @@
+"""Is this the model it claims to be? Checks that a converted checkpoint was written by this tool, from the
+original it is compared with (eval) or distilled from (heal), and that two tokenizers are the same by content.
+
+A comparison of two models that read text differently, or of a checkpoint against a model it was not made from,
+prints a plausible report of the wrong thing; these checks refuse it in one line before any work.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import UserError
+
+# encoded by both tokenizers: a difference in pre-tokenization or normalization shows here even when the
+# vocabularies agree
+PROBE_TEXT = ("The quick brown fox, 3.14159 — naïve café; def f(x):\n\treturn x**2  # 你好, мир! <b>ok</b>  "
+              "   don't  SHOUT")
+
+
+def conversion_record(model_dir: str, flag: str) -> dict:
+    """conversion.json of a checkpoint this tool wrote (convert, heal or rebalance), or a one-line refusal."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise UserError(f"{flag} {model_dir} is not a directory; pass the directory transmla-tool convert wrote")
+    record_path = path / "conversion.json"
+    record = None
+    if record_path.is_file():
+        try:
+            record = json.loads(record_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            record = None
+    if not isinstance(record, dict) or record.get("tool") != "transmla_tool":
+        model_type = _model_type(path)
+        what = f"a {model_type} model" if model_type else "not a model directory"
+        raise UserError(f"{flag} {model_dir} is {what} without a conversion.json written by transmla-tool; pass a "
+                        "directory that transmla-tool convert (or heal) wrote")
+    return record
+
+
+def _model_type(path: Path) -> str | None:
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+def check_source(record: dict, model: str, gguf_file: str | None, flag: str, converted: str) -> str | None:
+    """Refuse when `model` is not the source `record` (a conversion.json) was converted from. Returns a warning when
+    the record is too old to say (it predates source_identity), else None."""
+    from .io.source import open_source
+
+    recorded = record.get("source_identity")
+    if not recorded:
+        return (f"{converted} was converted by an older transmla-tool that did not record its source's identity: "
+                f"cannot check that {flag} {model} is the model it was converted from")
+    identity = open_source(model, gguf_file).identity()
+    if identity != recorded:
+        raise UserError(f"{converted} was converted from {record.get('source')}, not from {flag} "
+                        f"{model if not gguf_file else f'{model}/{gguf_file}'} (the weights differ); pass the model it "
+                        "was converted from")
+    return None
+
+
+def tokenizer_content(tokenizer) -> dict:
+    """What decides how a tokenizer reads text: vocabulary, merges, special tokens."""
+    merges = []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        model = json.loads(backend.to_str()).get("model", {})
+        merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
+    special = {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "unk_token")}
+    return {"vocab": tokenizer.get_vocab(), "merges": merges, "special": {k: str(v) for k, v in special.items()}}
+
+
+def compare_tokenizers(a, b, name_a: str, name_b: str) -> None:
+    """Refuse, naming the first difference, when two tokenizers would not read text the same way."""
+    first, second = tokenizer_content(a), tokenizer_content(b)
+    problem = None
+    va, vb = first["vocab"], second["vocab"]
+    if va != vb:
+        if len(va) != len(vb):
+            problem = f"vocabularies of {len(va)} and {len(vb)} tokens"
+        else:
+            moved = sorted(t for t in va if vb.get(t) != va[t])
+            example = moved[0] if moved else next(iter(vb.keys() - va.keys()))
+            problem = (f"{len(moved) or 'some'} tokens with other ids (e.g. {example!r}: {va.get(example)} vs "
+                       f"{vb.get(example)})")
+    elif first["merges"] != second["merges"]:
+        problem = f"other merges ({len(first['merges'])} vs {len(second['merges'])})"
+    elif first["special"] != second["special"]:
+        diff = {k: (first["special"][k], second["special"].get(k)) for k in first["special"]
+                if first["special"][k] != second["special"].get(k)}
+        problem = "other special tokens (" + ", ".join(f"{k} {x!r} vs {y!r}" for k, (x, y) in diff.items()) + ")"
+    elif a(PROBE_TEXT, add_special_tokens=False).input_ids != b(PROBE_TEXT, add_special_tokens=False).input_ids:
+        problem = "the same vocabulary but other token ids for the same text (pre-tokenizer or normalizer differ)"
+    if problem:
+        raise UserError(f"the tokenizers of {name_a} and {name_b} differ: {problem}; they must be the same model's "
+                        "(pass the model the checkpoint was converted from)")
