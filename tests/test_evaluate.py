@@ -9,7 +9,7 @@ import torch
 
 from transmla_tool.cli import main
 from transmla_tool.evaluate.cache import measure_context
-from transmla_tool.evaluate.local_task import build_cloze_task
+from helpers import build_cloze_task
 from transmla_tool.evaluate.models import load_model
 from transmla_tool.errors import UserError
 from transmla_tool.evaluate.run import EvalSettings, run_eval

@@ -238,3 +238,36 @@ def test_refine_noise_fits_inputs_off_the_calibration_subspace():
         errors[noise] = (report.loss_after, off)
     print("noise -> (loss on the calibration inputs, relative error off their subspace):", errors)
     assert errors[1.0][1] < 0.8 * errors[0.0][1]
+
+
+def test_bias_fold_is_exact_where_the_input_has_a_constant_direction():
+    """ops/bias_fold.py: where some direction of the attention input reads the same on every token, the folded
+    bias-free layer computes what the biased one did (query, rotary-key and value biases); where none does, it
+    says how far from constant the best direction is."""
+    from transmla_tool.ops.bias_fold import fold_biases
+    from transmla_tool.ops.mla import MLAWeights, mla_attention
+
+    torch.manual_seed(0)
+    d, heads, dn, dr, dv, r = 24, 2, 8, 4, 8, 12
+    x = torch.randn(2, 10, d, dtype=torch.float64)
+    x[..., 0] = 0.7  # a constant channel (real inputs only come close: the fold then approximates)
+    w = MLAWeights(q=torch.randn(heads * (dn + dr), d, dtype=torch.float64), kv_a=torch.randn(r + dr, d,
+                   dtype=torch.float64), kv_b=torch.randn(heads * (dn + dv), r, dtype=torch.float64),
+                   o=torch.randn(d, heads * dv, dtype=torch.float64), num_heads=heads, latent_dim=r, rope_dim=dr,
+                   nope_dim=dn, v_dim=dv, q_bias=torch.randn(heads * (dn + dr), dtype=torch.float64),
+                   kv_a_bias=torch.cat([torch.zeros(r, dtype=torch.float64), torch.randn(dr, dtype=torch.float64)]))
+    values = w.kv_b.view(heads, dn + dv, r)[:, dn:].reshape(heads * dv, r)
+    w.o_bias = w.o @ values @ torch.randn(r, dtype=torch.float64)  # a value bias the latent can express
+    flat = torch.cat([x.reshape(-1, d), torch.ones(20, 1, dtype=torch.float64)], 1)
+    moment = flat.T @ flat / flat.shape[0]
+    positions = torch.arange(10, dtype=torch.float64)[:, None] * torch.tensor([1.0, 0.1], dtype=torch.float64)
+    cos, sin = positions.cos().repeat_interleave(2, -1), positions.sin().repeat_interleave(2, -1)
+    folded, report = fold_biases(w, moment, ridge=1e-12)
+    assert folded.q_bias is None and folded.kv_a_bias is None and folded.o_bias is None
+    assert report.constant_mse < 1e-9 and report.value_residual < 1e-9
+    reference, result = mla_attention(x, w, cos, sin), mla_attention(x, folded, cos, sin)
+    assert float((result - reference).norm() / reference.norm()) < 1e-6
+    many = torch.randn(400, d, dtype=torch.float64) + 0.3  # no constant direction (more tokens than dimensions)
+    flat = torch.cat([many, torch.ones(400, 1, dtype=torch.float64)], 1)
+    _, worse = fold_biases(w, flat.T @ flat / flat.shape[0])
+    assert worse.constant_mse > 1e-3

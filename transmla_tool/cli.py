@@ -57,7 +57,7 @@ def cmd_eval(args) -> int:
         gguf_type=args.gguf_type, prefill_chunk=args.prefill_chunk,
         cache_types=[t for t in args.cache_types.split(",") if t.strip()],
         tasks=[t for t in args.tasks.split(",") if t], limit=args.limit, num_fewshot=args.num_fewshot,
-        include_path=args.include_path, dtype=args.dtype, device=args.device, seed=args.seed,
+        include_path=args.include_path, task_data_source=args.task_data, dtype=args.dtype, device=args.device, seed=args.seed,
         overwrite=args.overwrite,
     )
     report = run_eval(settings)

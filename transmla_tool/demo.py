@@ -18,7 +18,6 @@ from pathlib import Path
 
 from .assets import domain_splits, smollm2_gguf
 from .convert import ConvertSettings, convert
-from .evaluate.local_task import build_cloze_task
 from .evaluate.report import markdown
 from .evaluate.run import EvalSettings, check_settings, run_eval
 from .memory import stage_line
@@ -37,32 +36,33 @@ class DemoSettings:
     max_tokens: int = 8192
     contexts: list = field(default_factory=lambda: [1024, 4096])
     new_tokens: int = 16
+    # lm-eval's stock HellaSwag and ARC-Easy (0-shot), their first `task_examples` rows each: a stated small limit
+    # that keeps the demo in minutes (the full sets: eval/benchmarks.py, README)
+    tasks: tuple = ("hellaswag", "arc_easy")
     task_examples: int = 100
     device: str = "auto"
     progress: bool = True
 
 
-def _evaluation(settings: DemoSettings, model_dir: str, gguf: str, converted: str, heldout: str,
-                tasks: str) -> EvalSettings:
+def _evaluation(settings: DemoSettings, model_dir: str, gguf: str, converted: str, heldout: str) -> EvalSettings:
     return EvalSettings(
         original=model_dir, gguf_file=gguf, converted=converted, output_dir=str(Path(settings.output_dir) / "report"),
         data=heldout, max_tokens=settings.max_tokens, contexts=settings.contexts,
-        new_tokens=settings.new_tokens, tasks=["lee_cloze"], include_path=tasks, dtype="float32",
+        new_tokens=settings.new_tokens, tasks=list(settings.tasks), limit=settings.task_examples, dtype="float32",
         device=settings.device, progress=settings.progress, overwrite=True,
     )
 
 
 def run_demo(settings: DemoSettings) -> dict:
     # the evaluation's flags are checked before anything is built or converted (the conversion takes minutes)
-    check_settings(_evaluation(settings, "", "", "", "", ""), converted_exists=False)
+    check_settings(_evaluation(settings, "", "", "", ""), converted_exists=False)
     out = Path(settings.output_dir)
     model_dir, gguf = smollm2_gguf()
     splits = domain_splits(out / "data")
     calib = ",".join(str(c) for c, _ in splits.values())  # equal weights
     heldout = ",".join(str(h) for _, h in splits.values())
-    tasks = build_cloze_task(str(splits["news"][1]), out / "tasks", name="lee_cloze", examples=settings.task_examples)
     converted = out / f"smollm2-135m-mla-{settings.latent_dim + settings.rope_dim}"
-    evaluation = _evaluation(settings, model_dir, gguf, str(converted), heldout, str(tasks))
+    evaluation = _evaluation(settings, model_dir, gguf, str(converted), heldout)
     shown = f" with --set {' --set '.join(settings.overrides)}" if settings.overrides else ""
     print(f"[1/2] converting {model_dir}/{gguf} -> {converted} (method {settings.method}{shown})")
     summary = convert(ConvertSettings(

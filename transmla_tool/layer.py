@@ -20,6 +20,7 @@ from .calibrate import SourceLayers, chunks
 from .export import stock_attention
 from .methods import Method
 from .ops.basis import for_quantized_cache
+from .ops.bias_fold import fold_biases
 from .ops.decouple import RopePlan, fold_pools, match_pools, plan_rope
 from .ops.factorize import factorize
 from .ops.kv_quant import cache_row_store
@@ -107,7 +108,11 @@ def convert_layer(layer, attn: GQAWeights, inputs: torch.Tensor, calib: LayerCal
             latent_weighting=method.latent_weighting, kv_balance=method.kv_balance,
         )
         mla = mla.to(torch.float64, "cpu")
-        if not config.attention_bias:  # a bias-free output: refinement (if on) absorbs the biases
+        folded = None
+        if not config.attention_bias:  # a bias-free output: folded (ops/bias_fold.py) or dropped; refinement fits
+            has_bias = any(b is not None for b in (mla.q_bias, mla.kv_a_bias, mla.o_bias))
+            if has_bias and method.bias_fold == "constant":
+                mla, folded = fold_biases(mla, calib.stats.raw_moment.cpu())
             mla = replace(mla, q_bias=None, kv_a_bias=None, o_bias=None)
     # Exact changes of basis that only change how the cache quantizes (ops/basis.py), on the energies the cache
     # will hold (the measured moment, not the shrunk one the factorization trusts). They come after the fit, so
@@ -122,6 +127,9 @@ def convert_layer(layer, attn: GQAWeights, inputs: torch.Tensor, calib: LayerCal
     if fit_through_cache:
         mla = cache_basis(mla)
     report = {"layer": index, "kept_energy": round(fact.kept_energy, 6), "kv_balance": round(fact.kv_balance, 6)}
+    if folded is not None:
+        report["bias_fold"] = {"constant_mse": round(folded.constant_mse, 6),
+                               "value_residual": round(folded.value_residual, 6)}
     if method.refines:
         windows = calib.x_refine.shape[0]
         with stage("refine"):

@@ -75,6 +75,10 @@ class Method:
     # sources without query norms. On small Qwen3 models trained here, "keep" cut the full-rank cost over a Llama
     # control from 1.053x to 1.047x and the half-cache cost from 1.099x to 1.057x (docs/families.md).
     query_norm: str = "keep"
+    # A bias-free output of a source with attention biases (Qwen2; --target vllm/llamacpp): "constant" folds each
+    # bias into the weights through the input's near-constant direction (ops/bias_fold.py) before refinement,
+    # "none" drops them and leaves them to the refinement. No effect when biases are kept or absent.
+    bias_fold: str = "constant"
 
     # Shrinkage of the attention-input covariance toward a prior that trusts the calibration text less
     # (0 = none, 1 = the prior alone): "diag" keeps per-channel energy and damps correlations,
@@ -118,6 +122,7 @@ class Method:
             "rope_key_balance": tuple(ROPE_KEY_BALANCES),
             "refine_cache": ("none", *SIMULATED_CACHE_TYPES),
             "query_norm": ("keep", "fold"),
+            "bias_fold": ("constant", "none"),
         }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
@@ -155,7 +160,7 @@ class Method:
 # SmolLM2, a Llama without query norms, where "keep" and "fold" are the same conversion; Qwen3 conversions made
 # before it folded the query norm (eval/families.py labels those rows +query_norm=fold).
 BEFORE_SETTING = {"latent_basis": "pca", "rope_key_balance": "none", "refine_cache": "none", "refine_value_solve": 0,
-                  "query_norm": "keep"}
+                  "query_norm": "keep", "bias_fold": "none"}
 
 
 def recorded_method(record: dict) -> dict:

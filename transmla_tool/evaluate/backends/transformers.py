@@ -80,9 +80,9 @@ def evaluate_model(name: str, path: str, gguf_file, settings, windows, tokenizer
             check_latent_path(model, settings.new_tokens + settings.warmup_tokens)
     restore_stock(model)
     if settings.tasks:
-        result["lm_eval"] = run_lm_eval(model, tokenizer, settings.tasks, limit=settings.limit,
-                                        num_fewshot=settings.num_fewshot, include_path=settings.include_path,
-                                        batch_size=settings.batch_size, seed=settings.seed)
+        result["lm_eval"] = run_lm_eval(model, settings.tasks, settings.task_data, limit=settings.limit,
+                                        num_fewshot=settings.num_fewshot, seed=settings.seed, tokenizer=tokenizer,
+                                        batch_size=settings.batch_size)
     del model
     gc.collect()
     if device.type == "cuda":
