@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import shutil
 import sys
 import time
@@ -91,6 +92,10 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=24, help="windows of --ctx tokens per domain")
     parser.add_argument("--device", default="auto", help="conversion device")
     parser.add_argument("--keep-gguf", action="store_true", help="keep each converted GGUF under <output-dir>/gguf")
+    parser.add_argument("--gguf-from", default=None,
+                        help="an earlier frontier directory whose kept GGUFs (--keep-gguf) are scored here instead of "
+                        "converting again (same calibration, configuration and settings, checked on its rows): the "
+                        "same models at another --ctx")
     parser.add_argument("--table-only", action="store_true", help="rebuild frontier.md/.png, measure nothing")
     parser.add_argument("--plot-configs", default="",
                         help="';'-separated configuration names (as in --configs) the plot shows beside the original "
@@ -174,17 +179,22 @@ def main() -> None:
             if not todo:
                 continue
             ckpts = {b - args.rope_dim: out / "ckpt" / f"{source}-{name}-{b}" for b in todo}
+            reused = reuse_ggufs(args.gguf_from, source, name, made, ckpts, gguf_dir)
             start = time.time()
-            summaries = convert_many(ConvertSettings(
-                model=model_dir, gguf_file=gguf, output="", latent_dim=max(ckpts), rope_dim=args.rope_dim,
-                calib_data=spec, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, dtype="float32",
-                device=args.device, overwrite=True, target="llamacpp", method=method, method_name=preset,
-            ), {r: str(p) for r, p in ckpts.items()})
+            summaries = {r: {"stages": None} for r in reused}
+            if len(reused) < len(ckpts):
+                summaries.update(convert_many(ConvertSettings(
+                    model=model_dir, gguf_file=gguf, output="", latent_dim=max(ckpts), rope_dim=args.rope_dim,
+                    calib_data=spec, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
+                    dtype="float32", device=args.device, overwrite=True, target="llamacpp", method=method,
+                    method_name=preset,
+                ), {r: str(p) for r, p in ckpts.items() if r not in reused}))
             seconds = round(time.time() - start, 1)
             for latent, ckpt in ckpts.items():
                 model_file = gguf_dir / f"{ckpt.name}-f32.gguf"
-                exported = export_gguf(GGUFSettings(checkpoint=str(ckpt), output=str(model_file), outtype="f32",
-                                                    tokenizer_gguf=str(Path(model_dir) / gguf), overwrite=True))
+                exported = reused.get(latent) or export_gguf(GGUFSettings(
+                    checkpoint=str(ckpt), output=str(model_file), outtype="f32",
+                    tokenizer_gguf=str(Path(model_dir) / gguf), overwrite=True))
                 base = {"model": "converted", "calib": source, "config": name, "preset": preset,
                         "overrides": overrides, "budget": latent + args.rope_dim, "latent_dim": latent,
                         "rope_dim": args.rope_dim, **made, "convert_seconds_all_budgets": seconds,
@@ -194,8 +204,34 @@ def main() -> None:
                 shutil.rmtree(ckpt, ignore_errors=True)
                 if not args.keep_gguf:
                     model_file.unlink(missing_ok=True)
+                elif latent not in reused:  # what llama.cpp must be told at run time, for a later --gguf-from
+                    model_file.with_name(f"{ckpt.name}.run-flags.json").write_text(json.dumps(exported["run_flags"]))
                 gc.collect()
     write_tables(out, budgets_asked, _names(args.plot_configs))
+
+
+def reuse_ggufs(earlier: str | None, source: str, name: str, made: dict, ckpts: dict, gguf_dir: Path) -> dict:
+    """{latent: export record} of the GGUFs an earlier frontier directory kept for this calibration and configuration,
+    linked into this one (their rows must record the same method and calibration: the same models)."""
+    if not earlier:
+        return {}
+    import json
+
+    rows = [r for r in _read(Path(earlier) / "frontier.jsonl") if r["model"] == "converted"
+            and (r["calib"], r["config"]) == (source, name)]
+    check_resumable(rows, Path(earlier) / "frontier.jsonl", {"calib": source, "config": name}, made)
+    found = {}
+    for latent, ckpt in ckpts.items():
+        kept = Path(earlier) / "gguf" / f"{ckpt.name}-f32.gguf"
+        if not kept.exists() or not any(r.get("latent_dim") == latent for r in rows):
+            continue
+        target = gguf_dir / kept.name
+        if not target.exists():
+            target.symlink_to(kept.resolve())
+        flags = kept.with_name(f"{ckpt.name}.run-flags.json")
+        # kept before their run flags were saved: those sources had default rope (SmolLM2, Qwen2.5), which needs none
+        found[latent] = {"run_flags": json.loads(flags.read_text()) if flags.exists() else []}
+    return found
 
 
 def unseen(source: str) -> list[str]:

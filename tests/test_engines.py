@@ -614,3 +614,32 @@ def test_pre_tokenizer_names_are_llama_cpps():
     source = _llamacpp_or_skip().parents[2] / "src" / "llama-vocab.cpp"
     known = set(re.findall(r'tokenizer_pre == "([^"]+)"', source.read_text()))
     assert known and set(LLAMA_CPP_PRE_TOKENIZERS) == known, sorted(known ^ set(LLAMA_CPP_PRE_TOKENIZERS))
+
+
+@pytest.mark.slow
+def test_eval_tasks_in_llamacpp_under_each_cache(tmp_path, monkeypatch):
+    """`eval --engine llamacpp --tasks --cache-types`: lm-eval's stock task answered by llama.cpp for both models under
+    each cache type (the converted model under the K type), on the rows lm-eval picks, with the data read offline."""
+    from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
+    from transmla_tool.evaluate.run import EvalSettings, run_eval
+
+    _llamacpp_or_skip()
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    model_dir, gguf = smollm2_gguf()
+    calib, heldout = split_documents(lee_corpus(), tmp_path / "data")
+    out = tmp_path / "mla"
+    convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(out), latent_dim=128, rope_dim=64,
+                            calib_data=str(calib), calib_samples=4, calib_seq_len=128, dtype="float32", device="cpu",
+                            progress=False, method=PRESETS["closed-form"], target="llamacpp"))
+    report = run_eval(EvalSettings(original=model_dir, gguf_file=gguf, converted=str(out), data=str(heldout),
+                                   output_dir=str(tmp_path / "report"), engine="llamacpp", gguf_type="f32",
+                                   seq_len=256, max_tokens=512, contexts=[256], new_tokens=2, device="cpu",
+                                   dtype="float32", progress=False, cache_types=["f16", "q4_0"], tasks=["arc_easy"],
+                                   limit=8))
+    assert set(report["lm_eval_by_cache"]) == {"f16", "q4_0"}
+    info = report["lm_eval_tasks"]["arc_easy"]
+    assert info["rows"] == 8 and info["rows_available"] == 570 and info["dataset"] == ["arrow"]
+    for entry in ("f16", "q4_0"):
+        cell = report["lm_eval_by_cache"][entry]["arc_easy"]["acc"]
+        assert 0 <= cell["original"] <= 1 and cell["paired"]
+    assert "Under the q4_0 cache (llama.cpp)" in (tmp_path / "report" / "report.md").read_text()

@@ -271,3 +271,24 @@ def test_bias_fold_is_exact_where_the_input_has_a_constant_direction():
     flat = torch.cat([many, torch.ones(400, 1, dtype=torch.float64)], 1)
     _, worse = fold_biases(w, flat.T @ flat / flat.shape[0])
     assert worse.constant_mse > 1e-3
+
+
+def test_attention_distance_mass_in_query_blocks_equals_the_full_map(monkeypatch):
+    """The distance statistics computed a block of queries at a time (bounded memory at 8192 tokens) equal the sums
+    over the diagonals of the whole attention map."""
+    from transmla_tool.ops import stats
+    from transmla_tool.ops.mla import GQAWeights
+
+    torch.manual_seed(0)
+    d, heads, kv_heads, dim, length = 16, 4, 2, 8, 40
+    attn = GQAWeights(q=torch.randn(heads * dim, d), k=torch.randn(kv_heads * dim, d), v=torch.randn(kv_heads * dim, d),
+                      o=torch.randn(d, heads * dim), num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
+    x = torch.randn(2, length, d)
+    angles = torch.arange(length)[:, None] * torch.logspace(0, -2, dim // 2)[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    probs = stats.attention_probs(x, attn, cos, sin)  # (B, H, L, L) at once
+    full = torch.stack([probs.diagonal(offset=-delta, dim1=-2, dim2=-1).sum(dim=(0, 2)) for delta in range(length)], 1)
+    monkeypatch.setattr(stats, "QUERY_BLOCK", 7)
+    blocked = stats.attention_distance_mass(x, attn, cos, sin)
+    assert torch.allclose(blocked, full.double(), atol=1e-5)
+    assert torch.allclose(blocked.sum(1), torch.full((heads,), 2.0 * length, dtype=torch.float64), atol=1e-4)

@@ -126,10 +126,26 @@ class LlamaCppLM(TemplateLM):
     def _score(self, inputs: list[int], continuation: list[int]) -> tuple[float, bool]:
         """log P(continuation | the inputs before it) and whether it is the greedy continuation; `inputs` ends with
         every continuation token but the last. Only the positions that predict the continuation get logits."""
-        import llama_cpp
-
         self.requested_tokens += len(inputs)
         first = len(inputs) - len(continuation)  # position whose logits predict the first continuation token
+        logits = self._decode(inputs, first)  # (C, V): position p predicts p + 1
+        top = logits.max(axis=1, keepdims=True)
+        log_probs = logits - top - np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
+        picked = log_probs[np.arange(len(continuation)), continuation]
+        greedy = bool((logits.argmax(axis=1) == np.asarray(continuation)).all())
+        total = float(picked.sum())
+        if not math.isfinite(total):
+            raise RuntimeError(f"llama.cpp returned a non-finite log-probability under the {self.cache} cache")
+        return total, greedy
+
+    def _logits_after(self, tokens: list[int]) -> np.ndarray:
+        return self._decode(tokens, len(tokens) - 1)[-1]
+
+    def _decode(self, inputs: list[int], first: int) -> np.ndarray:
+        """Bring llama.cpp's cache to `inputs` (keeping the longest prefix it already holds, but never the positions
+        from `first` on) and return the logits at positions first..len(inputs)-1, (n, vocab) fp64."""
+        import llama_cpp
+
         common = 0
         limit = min(len(self._held), first)  # the positions that need logits are always decoded again
         while common < limit and self._held[common] == inputs[common]:
@@ -157,15 +173,7 @@ class LlamaCppLM(TemplateLM):
                                                   shape=(vocab,)).astype(np.float64))
             self._held += chunk
         self.decoded_tokens += len(inputs) - common
-        logits = np.stack(rows)  # (C, V): position p predicts p + 1
-        top = logits.max(axis=1, keepdims=True)
-        log_probs = logits - top - np.log(np.exp(logits - top).sum(axis=1, keepdims=True))
-        picked = log_probs[np.arange(len(continuation)), continuation]
-        greedy = bool((logits.argmax(axis=1) == np.asarray(continuation)).all())
-        total = float(picked.sum())
-        if not math.isfinite(total):
-            raise RuntimeError(f"llama.cpp returned a non-finite log-probability under the {self.cache} cache")
-        return total, greedy
+        return np.stack(rows)
 
     def close(self) -> None:
         """Free llama.cpp's batch, context and model now (left to the interpreter's exit, the bindings' own clean-up
@@ -182,5 +190,33 @@ class LlamaCppLM(TemplateLM):
                                   "run `eval --engine llamacpp --cache-types ...`")
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        raise NotImplementedError("generation tasks are not run through llama.cpp here: use the loglikelihood tasks "
-                                  "(hellaswag, arc, piqa, winogrande, lambada_openai, mmlu)")
+        """Greedy generation (the long-context retrieval tasks: RULER's needles), stopping at EOS, an `until` string
+        or max_gen_toks; the prompt is cut from the left to leave room for the answer."""
+        from tqdm.auto import tqdm
+
+        out = []
+        for request in tqdm(requests, desc=f"llama.cpp generate ({self.cache})", disable=disable_tqdm):
+            context, options = request.args
+            until = [u for u in (options.get("until") or []) if u]
+            budget = int(options.get("max_gen_toks", 256))
+            prompt = self.tok_encode(context)[-(self.n_ctx - budget):]
+            generated: list[int] = []
+            token = self._greedy(prompt)
+            while True:
+                if token == self.eot_token_id:
+                    break
+                generated.append(token)
+                text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                if len(generated) >= budget or any(u in text for u in until):
+                    break
+                token = self._greedy(prompt + generated)
+            text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            for stop in until:
+                text = text.split(stop)[0]
+            out.append(text)
+        return out
+
+    def _greedy(self, tokens: list[int]) -> int:
+        """The most likely next token after `tokens` (the cached prefix is reused: one decode step per new token)."""
+        logits = self._logits_after(tokens)
+        return int(np.argmax(logits))

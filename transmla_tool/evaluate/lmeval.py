@@ -12,17 +12,16 @@ import math
 
 from ..errors import UserError
 
-# metrics whose per-row values are kept for paired comparisons (0/1 per row)
-PAIRED_METRICS = ("acc", "acc_norm", "exact_match")
 Z95 = 1.96
 
 
 def run_lm_eval(lm, tasks: list[str], task_data, *, limit: int | float | None = None, num_fewshot: int | None = None,
-                seed: int = 0, tokenizer=None, batch_size: int = 4) -> dict:
+                seed: int = 0, tokenizer=None, batch_size: int = 4, metadata: dict | None = None) -> dict:
     """{task: {"metrics", "stderr", "rows", "num_fewshot", "higher_is_better", "samples", "data"}}.
 
     lm: an lm-eval LM, or a transformers model (wrapped in lm-eval's HFLM with `tokenizer`). task_data: the
-    evaluate/tasks.py resolution (include paths and each task's provenance)."""
+    evaluate/tasks.py resolution (include paths and each task's provenance). samples: per metric, each row's 0/1
+    score in row order (any metric whose rows all score 0 or 1: accuracies, RULER's per-length matches)."""
     try:
         import lm_eval
         from lm_eval.api.model import LM
@@ -34,7 +33,8 @@ def run_lm_eval(lm, tasks: list[str], task_data, *, limit: int | float | None = 
         from lm_eval.models.huggingface import HFLM
 
         lm = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, device=str(next(lm.parameters()).device))
-    manager = TaskManager(include_path=task_data.include_paths) if task_data.include_paths else TaskManager()
+    # metadata: what synthetic tasks are built from (RULER: max_seq_lengths, the tokenizer that sizes them)
+    manager = TaskManager(include_path=task_data.include_paths or None, metadata=metadata)
     try:
         results = lm_eval.simple_evaluate(
             model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
@@ -81,15 +81,19 @@ def _leaves(results: dict, task: str) -> list[str]:
 
 
 def _samples(results: dict, leaves: list[str]) -> dict[str, str]:
-    """Per-row 0/1 scores of the paired metrics, as strings of '0'/'1' in (leaf, doc_id) order."""
+    """Per-row 0/1 scores, as strings of '0'/'1' in (leaf, doc_id) order, for every metric whose rows all score 0 or
+    1 (a metric with other values, or -1 for 'not this row' as RULER marks other lengths, is left out)."""
     out: dict[str, list[str]] = {}
+    rejected: set[str] = set()
     for leaf in leaves:
         for sample in sorted(results.get("samples", {}).get(leaf, []), key=lambda s: s["doc_id"]):
-            for metric in PAIRED_METRICS:
+            for metric in set(sample) - {"doc_id", "doc", "target", "arguments", "resps", "filtered_resps"}:
                 value = sample.get(metric)
-                if isinstance(value, (int, float)) and value in (0, 1):
-                    out.setdefault(metric, []).append(str(int(value)))
-    return {metric: "".join(values) for metric, values in out.items()}
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value not in (0, 1):
+                    rejected.add(metric)
+                    continue
+                out.setdefault(metric, []).append(str(int(value)))
+    return {metric: "".join(values) for metric, values in out.items() if metric not in rejected}
 
 
 def compare(original: dict, converted: dict) -> dict:

@@ -99,7 +99,13 @@ def markdown(report: dict) -> str:
                          f"{row['perplexity']:.3f} | {row['ratio']:.3f} |")
     for note in report.get("notes", []):
         lines += ["", f"Note: {note}"]
-    if "lm_eval" in report:
+    by_cache = report.get("lm_eval_by_cache") or {}
+    if len(by_cache) > 1:
+        lines += ["", "## lm-eval (stock task definitions) in llama.cpp, under each cache type"]
+        for entry, table in by_cache.items():
+            lines += ["", f"### Under the {entry} cache (llama.cpp)", "",
+                      *lm_eval_table(table, report.get("lm_eval_tasks", {}))[2:]]
+    elif "lm_eval" in report:
         lines += ["", *lm_eval_table(report["lm_eval"], report.get("lm_eval_tasks", {}))]
     return "\n".join(lines) + "\n"
 

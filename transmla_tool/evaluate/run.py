@@ -105,8 +105,14 @@ def check_settings(settings: EvalSettings, converted_exists: bool = True):
             raise UserError("--cache-types is measured in llama.cpp (--engine llamacpp) or transformers (its "
                             "quantized caches); vLLM's fp8 cache is a serving flag (vllm serve DIR --kv-cache-dtype "
                             "fp8), not measured by eval: docs/serving.md says what its CPU build does with it")
-    if settings.tasks and settings.engine != "transformers":
-        raise UserError(f"--tasks (lm-eval) runs through transformers; drop --tasks or --engine {settings.engine}")
+    if settings.tasks and settings.engine == "vllm":
+        raise UserError("--tasks (lm-eval) runs through transformers or llama.cpp; drop --tasks or --engine vllm")
+    if settings.tasks and settings.engine == "llamacpp":
+        from ..engines.llamacpp_lm import bindings_installed
+
+        if not bindings_installed():
+            raise UserError("--engine llamacpp --tasks needs llama.cpp's Python bindings (llama-cpp-python); run "
+                            "`make engines`")
     return device, dtype
 
 
@@ -206,6 +212,9 @@ def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: 
     if "cache_types" in orig:
         report["cache_types"] = cache_type_table(results)
         report["cache_types_reference"] = reference_cache(orig["cache_types"])
+    if "lm_eval_by_cache" in orig:  # llama.cpp: the tasks under each cache type, original beside converted
+        report["lm_eval_by_cache"] = {entry: compare(orig["lm_eval_by_cache"][entry], conv["lm_eval_by_cache"][entry])
+                                      for entry in orig["lm_eval_by_cache"]}
     if "lm_eval" in orig:
         report["lm_eval"] = compare(orig["lm_eval"], conv["lm_eval"])
         report["lm_eval_tasks"] = {

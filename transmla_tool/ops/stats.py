@@ -64,24 +64,36 @@ def shrink_moment(moment: torch.Tensor, alpha: float, target: str = "diag") -> t
     return out
 
 
-def attention_probs(x: torch.Tensor, attn: GQAWeights, cos, sin) -> torch.Tensor:
-    """Causal softmax probabilities (B, H, L, L) of the source attention on x (B, L, d)."""
+def attention_probs(x: torch.Tensor, attn: GQAWeights, cos, sin, queries: slice | None = None) -> torch.Tensor:
+    """Causal softmax probabilities (B, H, Lq, L) of the source attention on x (B, L, d), for the query rows in
+    `queries` (default all)."""
     bsz, length, _ = x.shape
     heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q = _linear(x, attn.q, attn.q_bias).view(bsz, length, heads, dim).transpose(1, 2)
+    rows = queries or slice(0, length)
+    q = _linear(x[:, rows], attn.q, attn.q_bias).view(bsz, -1, heads, dim).transpose(1, 2)
     k = _linear(x, attn.k, attn.k_bias).view(bsz, length, kv_heads, dim).transpose(1, 2)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    q, k = apply_rotate_half(q, cos, sin), apply_rotate_half(k, cos, sin)
+    q, k = apply_rotate_half(q, cos[rows], sin[rows]), apply_rotate_half(k, cos, sin)
     k = k.repeat_interleave(heads // kv_heads, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * dim**-0.5  # (B, H, L, L)
-    mask = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
+    scores = (q @ k.transpose(-1, -2)) * dim**-0.5  # (B, H, Lq, L)
+    positions = torch.arange(length, device=x.device)
+    mask = positions[None, :] > positions[rows, None]  # keys after the query
     return scores.masked_fill(mask, float("-inf")).softmax(-1)
 
 
+QUERY_BLOCK = 512  # attention rows computed at once: memory (B, H, 512, L), not (B, H, L, L), at long contexts
+
+
 def attention_distance_mass(x: torch.Tensor, attn: GQAWeights, cos, sin) -> torch.Tensor:
-    """(H, L): summed attention probability at distance delta = query position - key position."""
-    probs = attention_probs(x, attn, cos, sin)
-    length = probs.shape[-1]
-    return torch.stack(
-        [probs.diagonal(offset=-delta, dim1=-2, dim2=-1).sum(dim=(0, 2)) for delta in range(length)], dim=1
-    )
+    """(H, L): summed attention probability at distance delta = query position - key position, computed a block of
+    queries at a time (an 8192-token window's full map would be 2.4 GB for SmolLM2's nine heads)."""
+    length = x.shape[1]
+    heads = attn.num_heads
+    mass = torch.zeros(heads, length, dtype=torch.float64, device=x.device)
+    keys = torch.arange(length, device=x.device)
+    for start in range(0, length, QUERY_BLOCK):
+        rows = slice(start, min(length, start + QUERY_BLOCK))
+        probs = attention_probs(x, attn, cos, sin, rows).sum(0)  # (H, Lq, L) summed over the batch
+        delta = (keys[rows, None] - keys[None, :]).clamp_min(0)  # (Lq, L); keys after the query carry 0 probability
+        mass.index_add_(1, delta.reshape(-1), probs.reshape(heads, -1).double())
+    return mass

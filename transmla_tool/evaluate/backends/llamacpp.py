@@ -75,6 +75,9 @@ def evaluate_in_llamacpp(name: str, path: str, gguf_file: str | None, settings, 
             types = list(dict.fromkeys(split_types(t)[0] for t in types))
         out["cache_types"] = perplexity_per_cache_type(model_file, text, settings.seq_len, len(windows), types,
                                                        run_flags)
+    if settings.tasks:  # lm-eval's tasks under each cache type the model will be served with (f16 when none given)
+        out["lm_eval_by_cache"] = tasks_in_llamacpp(model_file, run_flags, settings, tokenizer, bool(gguf_file))
+        out["lm_eval"] = next(iter(out["lm_eval_by_cache"].values()))
     element = 2  # llama.cpp caches f16 by default
     # llama.cpp prints the cache size in MiB with two decimals: round to whole values per token per layer
     values = round(ppl["kv_bytes_per_token_per_layer"] / element)
@@ -91,6 +94,28 @@ def evaluate_in_llamacpp(name: str, path: str, gguf_file: str | None, settings, 
                             1e3 / speed["tokens_per_s"], "gpu_kernel_ms_per_step": None, "steps": settings.new_tokens,
                             "warmup_steps": 1, "peak_memory_mb": None}},
         }
+    return out
+
+
+def tasks_in_llamacpp(model_file, run_flags: list[str], settings, tokenizer, original: bool) -> dict:
+    """{cache type: run_lm_eval's results} for one GGUF: lm-eval's tasks answered by llama.cpp (engines/llamacpp_lm.py)
+    under each of --cache-types (an MLA model takes the K type of a K/V pair)."""
+    from ...engines.llamacpp import split_types
+    from ...engines.llamacpp_lm import LlamaCppLM
+    from ..lmeval import run_lm_eval
+
+    flags = dict(zip(run_flags[::2], run_flags[1::2]))
+    yarn = ({"yarn_beta_fast": float(flags["--yarn-beta-fast"]), "yarn_beta_slow": float(flags["--yarn-beta-slow"])}
+            if "--yarn-beta-fast" in flags else {})
+    out = {}
+    for entry in settings.cache_types or ["f16"]:
+        cache = entry if original else split_types(entry)[0]
+        engine = LlamaCppLM(str(model_file), tokenizer, cache, n_ctx=4096, **yarn)
+        try:
+            out[entry] = run_lm_eval(engine, settings.tasks, settings.task_data, limit=settings.limit,
+                                     num_fewshot=settings.num_fewshot, seed=settings.seed)
+        finally:
+            engine.close()
     return out
 
 

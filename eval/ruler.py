@@ -1,0 +1,184 @@
+"""Long-range retrieval: lm-eval's RULER needle-in-a-haystack tasks at several context lengths, the original beside
+converted (or healed) checkpoints, in transformers or in llama.cpp under its cache types.
+
+The tasks whose haystacks are built offline: niah_single_1 (one needle in a repeated filler sentence),
+niah_multikey_2 and niah_multikey_3 (one needle among many other needles, numbers and UUIDs). The essay haystacks of
+the other NIAH tasks come from the hub and are not run. Each length is its own lm-eval call (RULER builds its rows for
+the lengths it is given, in order, so --limit would otherwise cut all but the first length); the tokenizer that sizes
+the haystacks is the original's.
+
+    python eval/ruler.py --output-dir runs/ruler --lengths 2048,4096,8192 --limit 25 \\
+        --checkpoint "160+32=runs/bench-heal/converted-192" --engine llamacpp --cache-types f16,iq4_nl
+
+Resumable: rows go to <output-dir>/ruler.jsonl keyed by (model, engine, cache, task, length) and keep each sample's
+0/1 match, so a converted model's accuracy is compared with the original's on the same samples (paired). ruler.md
+is rebuilt from the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from quality import _append, _read, check_same_scoring  # noqa: E402
+
+from transmla_tool.errors import UserError  # noqa: E402
+from transmla_tool.evaluate.lmeval import delta_entry  # noqa: E402
+from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
+
+TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3")
+
+
+def _key(row: dict) -> tuple:
+    return (row["model"], row["engine"], row["cache"], row["task"], row["length"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", default="runs/ruler")
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="LABEL=DIR",
+                        help="a converted or healed checkpoint to score beside the original (repeatable)")
+    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--lengths", default="2048,4096,8192")
+    parser.add_argument("--limit", type=int, default=25, help="samples per task and length")
+    parser.add_argument("--engine", default="transformers", choices=["transformers", "llamacpp"])
+    parser.add_argument("--cache-types", default="f16", help="--engine llamacpp: llama.cpp cache types")
+    parser.add_argument("--skip-original", action="store_true")
+    parser.add_argument("--table-only", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "ruler.jsonl"
+    if args.table_only:
+        write_table(out)
+        return
+    tasks = [t for t in args.tasks.split(",") if t]
+    if unknown := [t for t in tasks if t not in TASKS]:
+        raise SystemExit(f"--tasks: {', '.join(unknown)} need downloads or are not needle tasks; use {', '.join(TASKS)}")
+    lengths = [int(n) for n in args.lengths.split(",") if n]
+    caches = [c for c in args.cache_types.split(",") if c] if args.engine == "llamacpp" else ["exact"]
+    rows = _read(results)
+    check_same_scoring(rows, results, {"limit": args.limit, "source_model": args.model})
+    done = {_key(r) for r in rows}
+    directory, gguf = model_gguf(args.model)
+    from transmla_tool.evaluate.models import load_tokenizer
+    from transmla_tool.evaluate.tasks import resolve
+
+    tokenizer = load_tokenizer(directory, gguf)
+    tokenizer_dir = out / "tokenizer"
+    if not (tokenizer_dir / "tokenizer_config.json").exists():
+        tokenizer.save_pretrained(tokenizer_dir)  # RULER loads the tokenizer that sizes its haystacks by path
+    models = [] if args.skip_original else [("original", None)]
+    for spec in args.checkpoint:
+        label, _, path = spec.partition("=")
+        if not (Path(path) / "config.json").exists():
+            raise SystemExit(f"--checkpoint {spec!r}: give LABEL=DIR, DIR a checkpoint transmla-tool wrote")
+        models.append((label, path))
+    with tempfile.TemporaryDirectory(prefix="ruler-") as tmp:
+        data = resolve(tasks, Path(tmp) / "tasks", "hub")  # generated locally: nothing to resolve
+        for label, path in models:
+            for cache in caches:
+                todo = [(t, n) for t in tasks for n in lengths
+                        if (label, args.engine, cache, t, n) not in done]
+                if not todo:
+                    continue
+                lm, close = _model(args, label, path, cache, directory, gguf, tokenizer, max(lengths), tmp)
+                try:
+                    for task, length in todo:
+                        start = time.time()
+                        run = _run(lm, task, length, data, args.limit, tokenizer_dir)
+                        row = {"model": label, "engine": args.engine, "cache": cache, "task": task, "length": length,
+                               "limit": args.limit, "source_model": args.model, **run,
+                               "seconds": round(time.time() - start, 1)}
+                        _append(results, row)
+                        done.add(_key(row))
+                finally:
+                    close()
+    write_table(out)
+
+
+def _model(args, label, path, cache, directory, gguf, tokenizer, length: int, tmp: str):
+    """(the lm-eval model for one checkpoint under one cache, its clean-up)."""
+    if args.engine == "transformers":
+        import torch
+
+        from transmla_tool.evaluate.models import load_model
+
+        model = load_model(path or directory, None if path else gguf, torch.float32, torch.device("cpu"))
+        return model, lambda: None
+    from transmla_tool.engines.llamacpp import quantize
+    from transmla_tool.engines.llamacpp_lm import LlamaCppLM
+    from transmla_tool.gguf_export import GGUFSettings, export_gguf
+
+    model_file = Path(tmp) / f"{label}-f32.gguf"
+    if not model_file.exists():
+        if path is None:
+            quantize(Path(directory) / gguf, model_file, "F32", allow_requantize=True)
+        else:
+            export_gguf(GGUFSettings(checkpoint=path, output=str(model_file), outtype="f32",
+                                     tokenizer_gguf=str(Path(directory) / gguf)))
+    lm = LlamaCppLM(str(model_file), tokenizer, cache, n_ctx=length + 256)
+    return lm, lm.close
+
+
+def _run(lm, task: str, length: int, data, limit: int, tokenizer_dir: Path) -> dict:
+    from transmla_tool.evaluate.lmeval import run_lm_eval
+
+    tokenizer = None
+    if not hasattr(lm, "loglikelihood"):  # a transformers model: lm-eval's HF wrapper needs the tokenizer
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    metadata = {"max_seq_lengths": [length], "tokenizer": str(tokenizer_dir)}
+    run = run_lm_eval(lm, [task], data, limit=limit, tokenizer=tokenizer, batch_size=1, metadata=metadata)[task]
+    matches = run["samples"].get(str(length))
+    if not matches:
+        raise UserError(f"RULER {task} at {length} tokens returned no per-sample matches; lm-eval changed its output")
+    return {"accuracy": matches.count("1") / len(matches), "rows": len(matches), "samples": matches}
+
+
+def write_table(out: Path) -> None:
+    rows = _read(out / "ruler.jsonl")
+    if not rows:
+        raise SystemExit(f"{out / 'ruler.jsonl'} holds no rows yet")
+    lengths = sorted({r["length"] for r in rows})
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    cell = {(r["model"], r["engine"], r["cache"], r["task"], r["length"]): r for r in rows}
+    lines = [f"# RULER needle retrieval ({MODELS[rows[0]['source_model']].title}, {rows[0]['limit']} samples per task and "
+             "length)", "", "Accuracy (share of samples whose needle value the model generated); beside a converted "
+             "model, its difference from the original under the same engine and cache type (f16 for llama.cpp, exact "
+             "in transformers), paired per sample, called a loss only beyond 1.96 stderrs.", "",
+             "| model | engine | cache | task | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+             "|---|---|---|---|" + "---|" * len(lengths)]
+    for model, engine, cache in dict.fromkeys((r["model"], r["engine"], r["cache"]) for r in rows):
+        for task in tasks:
+            cells = []
+            for n in lengths:
+                r = cell.get((model, engine, cache, task, n))
+                if r is None:
+                    cells.append("")
+                    continue
+                text = f"{r['accuracy']:.2f}"
+                ref = cell.get(("original", engine, cache, task, n)) or cell.get(("original", engine, "f16", task, n))
+                if ref is not None and model != "original":
+                    d = delta_entry(ref["accuracy"], None, r["accuracy"], None, ref["samples"], r["samples"], True)
+                    se = d["delta_stderr"]
+                    text += f" ({d['delta']:+.2f}" + (f" ± {se:.2f}" if se is not None else "") + f", {d['verdict']})"
+                cells.append(text)
+            lines.append(f"| {model} | {engine} | {cache} | {task} | " + " | ".join(cells) + " |")
+    seconds = sum(r.get("seconds", 0) for r in rows)
+    lines += ["", f"{len(rows)} rows, {seconds / 3600:.1f} h of scoring in all (this machine).", ""]
+    (out / "ruler.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as exc:
+        raise SystemExit(f"ruler.py: {exc}") from None
