@@ -153,3 +153,24 @@ def test_llamacpp_scores_the_rows_transformers_scores(tiny_lm, make_model, conve
         for metric, value in via_transformers[task]["metrics"].items():
             assert via_llamacpp[task]["metrics"][metric] == pytest.approx(value, abs=1e-9), (task, metric)
     assert 0 < engine.decoded_tokens < engine.requested_tokens
+
+
+def test_sweep_puts_a_benchmark_mean_beside_perplexity(make_model, text_file, tmp_path):
+    """`sweep --tasks`: every point (the original too) also gets the mean of the tasks' metrics in the same engine,
+    shown beside perplexity in the table and named in the recommendation."""
+    from transmla_tool.cli import main
+
+    src = make_model("llama", kv_heads=2)
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--model", str(src), "--latent-dims", "12,24", "--rope-dim", "8", "--data", str(text_file),
+                 "--calib-samples", "4", "--calib-seq-len", "32", "--seq-len", "32", "--max-tokens", "128",
+                 "--target", "auto", "--set", "refine_steps=0", "--device", "cpu", "--tasks", "arc_easy,piqa",
+                 "--limit", "4", "--max-cache-bytes", "100", "--no-progress", "--output-dir", str(out)])
+    assert code == 0
+    result = json.loads((out / "sweep.json").read_text())
+    means = [result["original"]["benchmark"], *(p["benchmark"] for p in result["points"])]
+    assert all(0.0 <= m[0] <= 1.0 and m[1] >= 0.0 for m in means)
+    assert result["benchmark"]["tasks"] == ["arc_easy", "piqa"] and result["benchmark"]["limit"] == 4
+    assert "chosen by perplexity ratio" in result["recommendation"]["advice"]
+    table = (out / "sweep.md").read_text()
+    assert "on their first 4 rows" in table and "| benchmark mean |" in table

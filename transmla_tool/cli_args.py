@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cache-bytes", type=float, default=None,
                    help="recommend the best measured configuration at <= this many cache bytes per token per layer "
                    "(the original with a quantized cache included: it says so when not converting is better)")
+    p.add_argument("--tasks", default="",
+                   help="also score every point on these lm-eval tasks (e.g. hellaswag,arc_easy,piqa; in the same engine "
+                   "and cache types): the table gains their mean beside perplexity")
+    p.add_argument("--limit", type=float, default=None, help="lm-eval rows per task (stated in the table)")
+    p.add_argument("--task-data", default="auto", help="as eval's --task-data")
     _add_convert_args(p, calib_default=None, several_ropes=True)
     _add_eval_args(p, with_bench=False)
     _add_runtime_args(p)

@@ -12,7 +12,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .convert import ConvertSettings, check_outputs, convert_many
@@ -75,7 +75,12 @@ class SweepSettings:
     engine: str = "transformers"
     cache_types: str = ""
     max_cache_bytes: float | None = None  # recommend the best measured point at <= this many B/token/layer
+    # lm-eval tasks every point is also scored on (same engine and cache types): their mean beside perplexity
+    tasks: list = field(default_factory=list)
+    limit: float | None = None
+    task_data_source: str = "auto"
     progress: bool = True
+    task_data: object = field(default=None, repr=False)  # filled by run_sweep: evaluate/tasks.py's resolution
 
 
 def held_out_skip(settings: SweepSettings) -> int:
@@ -94,6 +99,11 @@ def run_sweep(settings: SweepSettings) -> dict:
         raise UserError("--rope-dim needs one or more distinct values, e.g. 64 or 32,64")
     check_scoring(settings.eval_batch_size, settings.seq_len, settings.max_tokens)
     types = check_engine(settings)
+    if settings.tasks and settings.engine == "llamacpp":
+        from .engines.llamacpp_lm import bindings_installed
+
+        if not bindings_installed():
+            raise UserError("--tasks with --engine llamacpp needs llama.cpp's Python bindings; run `make engines`")
     inputs = local_paths(settings.model, settings.calib_data, settings.data)
     out = check_target(settings.output_dir, settings.overwrite, inputs)
     ropes, latents = sorted(settings.rope_dims, reverse=True), sorted(settings.latent_dims)
@@ -119,6 +129,10 @@ def run_sweep(settings: SweepSettings) -> dict:
     # staged like every output: a failed or interrupted sweep leaves nothing behind, a finished one replaces the
     # old output (this tool's only) as a whole
     with staged_directory(out, settings.overwrite, kind="sweep", inputs=inputs, parts=lambda _: kept) as staging:
+        if settings.tasks:  # where each task reads its data, checked before any conversion
+            from .evaluate.tasks import resolve
+
+            settings.task_data = resolve(settings.tasks, staging / "tasks", settings.task_data_source)
         checkpoints = staging / CHECKPOINTS
         outputs = {key: str(checkpoints / name) for key, name in names.items()}
         summaries = {}
@@ -130,6 +144,7 @@ def run_sweep(settings: SweepSettings) -> dict:
             point["model"] = str(out / CHECKPOINTS / Path(point["model"]).name)
         if not settings.keep_checkpoints:
             shutil.rmtree(checkpoints, ignore_errors=True)
+        shutil.rmtree(staging / "tasks", ignore_errors=True)
         (staging / "sweep.json").write_text(json.dumps(result, indent=2))
         (staging / "sweep.md").write_text(markdown(result))
         plot(result, staging / "sweep.png")
@@ -167,10 +182,12 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
                             min_windows=skip + 1)[skip:]
     points = []
     in_transformers = types if settings.engine == "transformers" else None  # its caches, scored beside perplexity
-    original = _score(settings.model, settings.gguf_file, windows, dtype, device, settings, "original", in_transformers)
+    original = _score(settings.model, settings.gguf_file, windows, dtype, device, settings, "original", in_transformers,
+                      tokenizer)
     cache_types = {"original": original.pop("cache_types")} if in_transformers else None
     for (r, rope), path in outputs.items():
-        scored = _score(path, None, windows, dtype, device, settings, f"latent {r} + {rope}", in_transformers)
+        scored = _score(path, None, windows, dtype, device, settings, f"latent {r} + {rope}", in_transformers,
+                        tokenizer)
         if in_transformers:
             cache_types[point_key(r, rope)] = scored.pop("cache_types")
         scored.update(latent_dim=r, rope_dim=rope, conversion_seconds=summaries[(r, rope)]["wall_time_s"],
@@ -186,16 +203,21 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
             text.write_text(tokenizer.decode(windows.reshape(-1).tolist(), skip_special_tokens=True))
             cache_types = score_in_llamacpp(settings.model, settings.gguf_file,
                                             {point_key(*key): path for key, path in outputs.items()}, text,
-                                            settings.seq_len, len(windows), types, types, tmp)
+                                            settings.seq_len, len(windows), types, types, tmp,
+                                            tasks=_llamacpp_tasks(settings, tokenizer) if settings.tasks else None)
     result = {
         "original": original,
         "points": points,
-        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()
+                     if k != "task_data"},
         "eval_windows_skipped": skip,
         "eval_tokens": int(windows[:, 1:].numel()),
         "wall_time_s": round(time.time() - start, 1),
         "conversion": {"target": settings.target, "biases": settings.biases},
     }
+    if settings.tasks:
+        result["benchmark"] = {"tasks": settings.tasks, "limit": settings.limit,
+                               "metric": "mean of each task's metric (evaluate/tasks.PRIMARY_METRIC, else acc)"}
     if types is not None:
         result["cache_types"] = cache_types
         result["engine"] = "llama.cpp" if settings.engine == "llamacpp" else "transformers"
@@ -206,9 +228,34 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
     return result
 
 
-def _score(path, gguf_file, windows, dtype, device, settings, name, cache_types=None) -> dict:
+def _llamacpp_tasks(settings: SweepSettings, tokenizer):
+    """score(model_file, cache, run_flags) -> (mean, stderr) of the tasks' metrics, in llama.cpp under that cache."""
+    from .engines.llamacpp_lm import LlamaCppLM
+    from .evaluate.lmeval import run_lm_eval, task_mean
+
+    def score(model_file, cache, run_flags):
+        flags = dict(zip(run_flags[::2], run_flags[1::2]))
+        yarn = ({"yarn_beta_fast": float(flags["--yarn-beta-fast"]), "yarn_beta_slow": float(flags["--yarn-beta-slow"])}
+                if "--yarn-beta-fast" in flags else {})
+        engine = LlamaCppLM(str(model_file), tokenizer, cache, n_ctx=4096, **yarn)
+        try:
+            return task_mean(run_lm_eval(engine, settings.tasks, settings.task_data, limit=settings.limit,
+                                         seed=settings.seed))
+        finally:
+            engine.close()
+
+    return score
+
+
+def _score(path, gguf_file, windows, dtype, device, settings, name, cache_types=None, tokenizer=None) -> dict:
     model = load_model(path, gguf_file, dtype, device)
     ppl = perplexity(model, windows, settings.eval_batch_size, settings.progress, desc=f"perplexity ({name})")
+    benchmark = None
+    if settings.tasks and settings.engine == "transformers":
+        from .evaluate.lmeval import run_lm_eval, task_mean
+
+        benchmark = task_mean(run_lm_eval(model, settings.tasks, settings.task_data, limit=settings.limit,
+                                          seed=settings.seed, tokenizer=tokenizer, batch_size=settings.eval_batch_size))
     through = None
     if cache_types:
         from .evaluate.quantized_cache import cache_perplexity
@@ -225,6 +272,8 @@ def _score(path, gguf_file, windows, dtype, device, settings, name, cache_types=
     }
     if through is not None:
         point["cache_types"] = through
+    if benchmark is not None:
+        point["benchmark"] = benchmark
     del model, cache
     gc.collect()
     return point
@@ -240,16 +289,18 @@ def markdown(result: dict) -> str:
         f"{conv.get('biases', '?')}` writes it; a size that target's engine refuses is converted anyway and "
         "marked in its column.",
         "",
-        "| latent + rope | cache values/token/layer | cache fraction | perplexity | ratio to original | vLLM MLA size | SGLang size (read, not run) |",
-        "|---|---|---|---|---|---|---|",
-        f"| original | {orig['values_per_token_per_layer']} | 1.000 | {orig['perplexity']:.3f} | 1.000 | | |",
+        "| latent + rope | cache values/token/layer | cache fraction | perplexity | ratio to original | vLLM MLA size | SGLang size (read, not run) |"
+        + (" benchmark mean |" if "benchmark" in orig else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if "benchmark" in orig else ""),
+        f"| original | {orig['values_per_token_per_layer']} | 1.000 | {orig['perplexity']:.3f} | 1.000 | | |"
+        + _mean_cell(orig),
     ]
     for p in result["points"]:
         lines.append(
             f"| {p['latent_dim']} + {p['rope_dim']} | {p['values_per_token_per_layer']} | "
             f"{p['values_per_token_per_layer'] / orig['values_per_token_per_layer']:.3f} | "
             f"{p['perplexity']:.3f} | {p['perplexity'] / orig['perplexity']:.3f} | "
-            f"{'yes' if p.get('vllm_size_ok') else 'no'} | {'yes' if p.get('sglang_size_ok') else 'no'} |"
+            f"{'yes' if p.get('vllm_size_ok') else 'no'} | {'yes' if p.get('sglang_size_ok') else 'no'} |" + _mean_cell(p)
         )
     if "cache_types" in result:
         originals = result["cache_types"]["original"]
@@ -263,9 +314,18 @@ def markdown(result: dict) -> str:
                       "Ratio: llama.cpp perplexity over the original's with an f16 cache on the same text (the "
                       "original as its GGUF re-typed to F32, each latent exported f32).", ""]
         lines += markdown_table(points_from_sweep(result), originals[reference]["bytes"])
+    if "benchmark" in result:
+        limit = result["benchmark"]["limit"]
+        lines += ["", f"Benchmark mean: lm-eval's {', '.join(result['benchmark']['tasks'])}"
+                  + (f" on their first {limit:g} rows" if limit else " on every row") + ", in the same engine and cache."]
     if "recommendation" in result:
         lines += ["", f"**Recommendation:** {result['recommendation']['advice']}."]
     return "\n".join(lines) + "\n"
+
+
+def _mean_cell(point: dict) -> str:
+    mean = point.get("benchmark")
+    return f" {mean[0]:.4f} ± {mean[1]:.4f} |" if mean else ""
 
 
 def plot(result: dict, path: Path) -> None:

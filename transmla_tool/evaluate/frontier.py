@@ -121,7 +121,7 @@ def recommend(points: list[Point], max_bytes: float) -> tuple[Point | None, str]
     note = "chosen by perplexity ratio"
     if fits:
         top = max(fits, key=lambda p: (p.benchmark[0], -p.bytes))
-        note += (f"; by the 0-shot benchmark mean the best that fits is "
+        note += (f"; by the benchmark mean the best that fits is "
                  f"{'the same point' if top is best else describe(top)} ({top.benchmark[0]:.4f} ± {top.benchmark[1]:.4f})")
     return best, f"{advice} ({note})"
 
@@ -154,7 +154,7 @@ def markdown_table(points: list[Point], reference_bytes: float) -> list[str]:
     """Rows by bytes: label, cache, bits per value, bytes, fraction of the f16 original, ratio, on the frontier."""
     front = {id(p) for p in pareto(points)}
     bench = any(p.benchmark for p in points)
-    extra = (" 0-shot benchmark mean |", "---|") if bench else ("", "")
+    extra = (" benchmark mean |", "---|") if bench else ("", "")
     lines = ["| model | cache | bits/value | bytes/token/layer | x smaller | ratio (worst domain) | frontier |" + extra[0],
              "|---|---|---|---|---|---|---|" + extra[1]]
     for p in sorted(points, key=lambda p: (-p.bytes, p.ratio)):
@@ -215,22 +215,30 @@ def points_from_sweep(result: dict) -> list[Point]:
             for entry, m in types.items():
                 points.append(Point(label=label, kind="original" if latent is None else "converted", cache=entry,
                                     bytes=round(m["bytes"], 1), ratio=m["perplexity"] / reference, latent_dim=latent,
-                                    rope_dim=rope))
+                                    rope_dim=rope, benchmark=_pair(m.get("benchmark"))))
         return points
     reference = result["original"]["perplexity"]
     points = [Point(label="original", kind="original", cache="16-bit", ratio=1.0,
-                    bytes=2.0 * result["original"]["values_per_token_per_layer"])]
+                    bytes=2.0 * result["original"]["values_per_token_per_layer"],
+                    benchmark=_pair(result["original"].get("benchmark")))]
     points += [Point(label=f"latent {p['latent_dim']} + {p['rope_dim']}", kind="converted", cache="16-bit",
                      bytes=2.0 * p["values_per_token_per_layer"], ratio=p["perplexity"] / reference,
-                     latent_dim=p["latent_dim"], rope_dim=p["rope_dim"]) for p in result["points"]]
+                     latent_dim=p["latent_dim"], rope_dim=p["rope_dim"], benchmark=_pair(p.get("benchmark")))
+               for p in result["points"]]
     return points
 
 
+def _pair(value) -> tuple[float, float] | None:
+    """A benchmark (mean, stderr) as JSON gave it back (a list), or None."""
+    return None if value is None else (float(value[0]), float(value[1]))
+
+
 def score_in_llamacpp(original: str, gguf_file: str, checkpoints: dict, text_file, ctx: int, chunks: int,
-                      original_types: list[str], converted_types: list[str], tmp) -> dict:
-    """{"original" | str(key): {cache type: {"perplexity", "bytes"}}} measured by llama-perplexity for the
-    checkpoints {key: directory}: the original GGUF re-typed to F32 (the values the conversion read), each
-    checkpoint exported f32."""
+                      original_types: list[str], converted_types: list[str], tmp, tasks=None) -> dict:
+    """{"original" | str(key): {cache type: {"perplexity", "bytes"[, "benchmark"]}}} measured by llama-perplexity for
+    the checkpoints {key: directory}: the original GGUF re-typed to F32 (the values the conversion read), each
+    checkpoint exported f32. tasks(model_file, cache, run_flags) -> (mean, stderr), when given, adds each model's
+    benchmark mean under each cache type."""
     from pathlib import Path
 
     from ..engines.llamacpp import perplexity_per_cache_type, quantize
@@ -241,6 +249,9 @@ def score_in_llamacpp(original: str, gguf_file: str, checkpoints: dict, text_fil
     quantize(Path(original) / gguf_file, source, "F32", allow_requantize=True)
     types = original_types if "f16" in original_types else ["f16", *original_types]
     scored = {"original": perplexity_per_cache_type(source, text_file, ctx, chunks, types)}
+    if tasks is not None:
+        for entry in types:
+            scored["original"][entry]["benchmark"] = tasks(source, entry, [])
     source.unlink()
     mla_types = list(dict.fromkeys(split_types(t)[0] for t in converted_types))
     for key, path in checkpoints.items():
@@ -249,5 +260,8 @@ def score_in_llamacpp(original: str, gguf_file: str, checkpoints: dict, text_fil
                                             tokenizer_gguf=str(Path(original) / gguf_file), overwrite=True))
         scored[str(key)] = perplexity_per_cache_type(model_file, text_file, ctx, chunks, mla_types,
                                                      exported["run_flags"])
+        if tasks is not None:
+            for entry in mla_types:
+                scored[str(key)][entry]["benchmark"] = tasks(model_file, entry, exported["run_flags"])
         model_file.unlink()
     return scored

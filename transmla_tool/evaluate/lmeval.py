@@ -141,3 +141,18 @@ def verdict(delta: float, se: float | None, higher_is_better) -> str:
         return "within noise"
     better = delta > 0 if higher_is_better is not False else delta < 0
     return "win" if better else "loss"
+
+
+def task_mean(results: dict) -> tuple[float, float]:
+    """(mean, stderr) over run_lm_eval's tasks of each one's headline metric (evaluate/tasks.PRIMARY_METRIC; acc for
+    others), the stderr treating the tasks as independent."""
+    from .tasks import PRIMARY_METRIC
+
+    values, errors = [], []
+    for task, run in results.items():
+        metric = PRIMARY_METRIC.get(task, "acc")
+        if metric not in run["metrics"]:
+            metric = next(m for m in ("acc", "acc_norm", "exact_match") if m in run["metrics"])
+        values.append(run["metrics"][metric])
+        errors.append(run["stderr"].get(metric) or 0.0)
+    return sum(values) / len(values), math.sqrt(sum(e * e for e in errors)) / len(values)
