@@ -41,12 +41,14 @@ def main() -> None:
     directory, gguf = model_gguf(args.model)
     tokenizer = load_tokenizer(directory, gguf)
     model = load_model(directory, gguf, torch.float32, torch.device("cpu"))
-    heldout = {d: token_windows(str(data / f"{d}-heldout.jsonl"), tokenizer, 512, args.windows) for d in ("docs", "news")}
+    heldout = {d: token_windows(str(data / f"{d}-heldout.jsonl"), tokenizer, 512, args.windows)
+               for d in ("docs", "news")}
     saved = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("bias") and "self_attn" in n}
     if not saved:
         raise SystemExit(f"{args.model} has no attention biases")
-    result = {"model": args.model, "max_abs_bias": {k: max(float(saved[n].abs().max()) for n in saved if f"{k}_proj" in n)
-                                                    for k in ("q", "k", "v") if any(f"{k}_proj" in n for n in saved)}}
+    largest = {k: max(float(saved[n].abs().max()) for n in saved if f"{k}_proj" in n)
+               for k in ("q", "k", "v") if any(f"{k}_proj" in n for n in saved)}
+    result = {"model": args.model, "max_abs_bias": largest}
     result["perplexity"] = {}
     for label, drop in (("all biases", ()), ("no v bias", ("v",)), ("no k bias", ("k",)), ("no q bias", ("q",)),
                         ("no biases", ("q", "k", "v"))):
@@ -63,7 +65,8 @@ def main() -> None:
 def constant_direction_fit(model, tokenizer, data: Path) -> list[dict]:
     """Per layer: u fitted on 18 calibration windows (news, forum, code; the ridge of ops/bias_fold.py), then
     E[(u.x - 1)^2] on them and on 3 held-out docs windows, and the held-out spread of u.x."""
-    calib = torch.cat([token_windows(str(data / f"{d}-calib.jsonl"), tokenizer, 512, 6) for d in ("news", "forum", "code")])
+    calib = torch.cat([token_windows(str(data / f"{d}-calib.jsonl"), tokenizer, 512, 6)
+                       for d in ("news", "forum", "code")])
     held = token_windows(str(data / "docs-heldout.jsonl"), tokenizer, 512, 3)
     captured: dict[int, list] = {}
     hooks = [layer.input_layernorm.register_forward_hook(

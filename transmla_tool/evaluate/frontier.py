@@ -121,8 +121,9 @@ def recommend(points: list[Point], max_bytes: float) -> tuple[Point | None, str]
     note = "chosen by perplexity ratio"
     if fits:
         top = max(fits, key=lambda p: (p.benchmark[0], -p.bytes))
-        note += (f"; by the benchmark mean the best that fits is "
-                 f"{'the same point' if top is best else describe(top)} ({top.benchmark[0]:.4f} ± {top.benchmark[1]:.4f})")
+        which = "the same point" if top is best else describe(top)
+        note += (f"; by the benchmark mean the best that fits is {which} "
+                 f"({top.benchmark[0]:.4f} ± {top.benchmark[1]:.4f})")
     return best, f"{advice} ({note})"
 
 
@@ -155,7 +156,8 @@ def markdown_table(points: list[Point], reference_bytes: float) -> list[str]:
     front = {id(p) for p in pareto(points)}
     bench = any(p.benchmark for p in points)
     extra = (" benchmark mean |", "---|") if bench else ("", "")
-    lines = ["| model | cache | bits/value | bytes/token/layer | x smaller | ratio (worst domain) | frontier |" + extra[0],
+    head = "| model | cache | bits/value | bytes/token/layer | x smaller | ratio (worst domain) | frontier |"
+    lines = [head + extra[0],
              "|---|---|---|---|---|---|---|" + extra[1]]
     for p in sorted(points, key=lambda p: (-p.bytes, p.ratio)):
         mean = (f" {p.benchmark[0]:.4f} ± {p.benchmark[1]:.4f} |" if p.benchmark else " |") if bench else ""

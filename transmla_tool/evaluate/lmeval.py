@@ -105,7 +105,8 @@ def compare(original: dict, converted: dict) -> dict:
         if b is None:
             continue
         if a["rows"] != b["rows"]:
-            raise UserError(f"{task}: the models were scored on {a['rows']} and {b['rows']} rows; compare like with like")
+            raise UserError(f"{task}: the models were scored on {a['rows']} and {b['rows']} rows; compare like with "
+                            "like")
         table[task] = {}
         for metric, value in a["metrics"].items():
             if metric not in b["metrics"]:
