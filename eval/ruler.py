@@ -152,8 +152,9 @@ def write_table(out: Path) -> None:
     cell = {(r["model"], r["engine"], r["cache"], r["task"], r["length"]): r for r in rows}
     title = MODELS[rows[0]["source_model"]].title
     lines = [f"# RULER needle retrieval ({title}, {rows[0]['limit']} samples per task and length)", "",
-             "Accuracy (share of samples whose needle value the model generated); beside a converted model, its difference from the original under the same engine and cache type (f16 for llama.cpp, exact "
-             "in transformers), paired per sample, called a loss only beyond 1.96 stderrs.", "",
+             "Accuracy (share of samples whose needle value the model generated); beside a converted model, its "
+             "difference from the original under the same engine and cache type (f16 for llama.cpp, exact in "
+             "transformers), paired per sample, called a loss only beyond 1.96 stderrs.", "",
              "| model | engine | cache | task | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
              "|---|---|---|---|" + "---|" * len(lengths)]
     for model, engine, cache in dict.fromkeys((r["model"], r["engine"], r["cache"]) for r in rows):
