@@ -9,6 +9,7 @@ the haystacks is the original's.
 
     python eval/ruler.py --output-dir runs/ruler --lengths 2048,4096,8192 --limit 25 \\
         --checkpoint "160+32=runs/bench-heal/converted-192" --engine llamacpp --cache-types f16,iq4_nl
+    python eval/ruler.py ... --checkpoint "320+64=runs/bench/gguf/mix-docs-r200-384-f32.gguf"   # a kept GGUF
 
 Resumable: rows go to <output-dir>/ruler.jsonl keyed by (model, engine, cache, task, length) and keep each sample's
 0/1 match, so a converted model's accuracy is compared with the original's on the same samples (paired). ruler.md
@@ -77,8 +78,12 @@ def main() -> None:
     models = [] if args.skip_original else [("original", None)]
     for spec in args.checkpoint:
         label, _, path = spec.partition("=")
-        if not (Path(path) / "config.json").exists():
-            raise SystemExit(f"--checkpoint {spec!r}: give LABEL=DIR, DIR a checkpoint transmla-tool wrote")
+        gguf_given = path.endswith(".gguf") and Path(path).is_file()
+        if gguf_given and args.engine != "llamacpp":
+            raise SystemExit(f"--checkpoint {spec!r}: a GGUF runs in llama.cpp only (--engine llamacpp)")
+        if not gguf_given and not (Path(path) / "config.json").exists():
+            raise SystemExit(f"--checkpoint {spec!r}: give LABEL=DIR (a checkpoint transmla-tool wrote) or, for "
+                             "llama.cpp, LABEL=FILE.gguf (export-gguf's, or eval/frontier.py --keep-gguf's)")
         models.append((label, path))
     with tempfile.TemporaryDirectory(prefix="ruler-") as tmp:
         data = resolve(tasks, Path(tmp) / "tasks", "hub")  # generated locally: nothing to resolve
@@ -116,7 +121,7 @@ def _model(args, label, path, cache, directory, gguf, tokenizer, length: int, tm
     from transmla_tool.engines.llamacpp_lm import LlamaCppLM
     from transmla_tool.gguf_export import GGUFSettings, export_gguf
 
-    model_file = Path(tmp) / f"{label}-f32.gguf"
+    model_file = Path(path) if path and path.endswith(".gguf") else Path(tmp) / f"{label}-f32.gguf"
     if not model_file.exists():
         if path is None:
             quantize(Path(directory) / gguf, model_file, "F32", allow_requantize=True)

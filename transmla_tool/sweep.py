@@ -230,14 +230,11 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
 
 def _llamacpp_tasks(settings: SweepSettings, tokenizer):
     """score(model_file, cache, run_flags) -> (mean, stderr) of the tasks' metrics, in llama.cpp under that cache."""
-    from .engines.llamacpp_lm import LlamaCppLM
+    from .engines.llamacpp_lm import LlamaCppLM, yarn_kwargs
     from .evaluate.lmeval import run_lm_eval, task_mean
 
     def score(model_file, cache, run_flags):
-        flags = dict(zip(run_flags[::2], run_flags[1::2]))
-        yarn = ({"yarn_beta_fast": float(flags["--yarn-beta-fast"]), "yarn_beta_slow": float(flags["--yarn-beta-slow"])}
-                if "--yarn-beta-fast" in flags else {})
-        engine = LlamaCppLM(str(model_file), tokenizer, cache, n_ctx=4096, **yarn)
+        engine = LlamaCppLM(str(model_file), tokenizer, cache, n_ctx=4096, **yarn_kwargs(run_flags))
         try:
             return task_mean(run_lm_eval(engine, settings.tasks, settings.task_data, limit=settings.limit,
                                          seed=settings.seed))

@@ -45,6 +45,14 @@ def ggml_type(name: str) -> int:
     return getattr(llama_cpp, f"GGML_TYPE_{name.upper()}")
 
 
+def yarn_kwargs(run_flags: list[str]) -> dict:
+    """LlamaCppLM's arguments for the run flags export-gguf asks llama.cpp's tools for (a Llama-3 mapping's YaRN ramp)."""
+    flags = dict(zip(run_flags[::2], run_flags[1::2]))
+    if "--yarn-beta-fast" not in flags:
+        return {}
+    return {"yarn_beta_fast": float(flags["--yarn-beta-fast"]), "yarn_beta_slow": float(flags["--yarn-beta-slow"])}
+
+
 def bindings_version() -> str:
     """What scores a benchmark row: the bindings' version (they pin the llama.cpp source they are built from)."""
     import llama_cpp

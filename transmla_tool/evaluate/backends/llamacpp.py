@@ -101,12 +101,10 @@ def tasks_in_llamacpp(model_file, run_flags: list[str], settings, tokenizer, ori
     """{cache type: run_lm_eval's results} for one GGUF: lm-eval's tasks answered by llama.cpp (engines/llamacpp_lm.py)
     under each of --cache-types (an MLA model takes the K type of a K/V pair)."""
     from ...engines.llamacpp import split_types
-    from ...engines.llamacpp_lm import LlamaCppLM
+    from ...engines.llamacpp_lm import LlamaCppLM, yarn_kwargs
     from ..lmeval import run_lm_eval
 
-    flags = dict(zip(run_flags[::2], run_flags[1::2]))
-    yarn = ({"yarn_beta_fast": float(flags["--yarn-beta-fast"]), "yarn_beta_slow": float(flags["--yarn-beta-slow"])}
-            if "--yarn-beta-fast" in flags else {})
+    yarn = yarn_kwargs(run_flags)
     out = {}
     for entry in settings.cache_types or ["f16"]:
         cache = entry if original else split_types(entry)[0]
