@@ -356,7 +356,9 @@ def test_target_llamacpp(make_model, convert_tiny):
                              target="llamacpp", method=closed)
     assert json.loads((out / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
     qwen = make_model("qwen2", kv_heads=2)
-    out, _, _ = convert_tiny(qwen, latent_dim=12, rope_dim=8, target="llamacpp", method=closed)
+    with pytest.raises(UserError, match="the closed-form method has no refinement"):
+        convert_tiny(qwen, latent_dim=12, rope_dim=8, target="llamacpp", method=closed)
+    out, _, _ = convert_tiny(qwen, latent_dim=12, rope_dim=8, target="llamacpp", method=dataclasses.replace(closed, refine_steps=2))
     assert json.loads((out / "config.json").read_text())["attention_bias"] is False
     with pytest.raises(UserError, match="--target llamacpp: attention biases"):
         convert_tiny(qwen, latent_dim=12, rope_dim=8, target="llamacpp", biases="keep", method=closed)
@@ -378,7 +380,10 @@ def test_target_sglang(make_model, convert_tiny, tmp_path):
     assert verdict["serves_as_is"] is True and verdict["run"] is False, verdict
     assert "read from its source, not run" in (out / "README.md").read_text()
     qwen = make_model("qwen2", kv_heads=2)
-    out, summary, _ = convert_tiny(qwen, latent_dim=16, rope_dim=8, target="sglang", method=closed)
+    with pytest.raises(UserError, match="the closed-form method has no refinement"):
+        convert_tiny(qwen, latent_dim=16, rope_dim=8, target="sglang", method=closed)
+    out, summary, _ = convert_tiny(qwen, latent_dim=16, rope_dim=8, target="sglang",
+                                   method=dataclasses.replace(closed, refine_steps=2))
     assert json.loads((out / "config.json").read_text())["attention_bias"] is False
     with pytest.raises(UserError, match="--target sglang: attention biases"):
         convert_tiny(qwen, latent_dim=16, rope_dim=8, target="sglang", biases="keep", method=closed)

@@ -633,7 +633,7 @@ def test_eval_tasks_in_llamacpp_under_each_cache(tmp_path, monkeypatch):
                             progress=False, method=PRESETS["closed-form"], target="llamacpp"))
     report = run_eval(EvalSettings(original=model_dir, gguf_file=gguf, converted=str(out), data=str(heldout),
                                    output_dir=str(tmp_path / "report"), engine="llamacpp", gguf_type="f32",
-                                   seq_len=256, max_tokens=512, contexts=[256], new_tokens=2, device="cpu",
+                                   seq_len=128, max_tokens=512, contexts=[128], new_tokens=2, device="cpu",
                                    dtype="float32", progress=False, cache_types=["f16", "q4_0"], tasks=["arc_easy"],
                                    limit=8))
     assert set(report["lm_eval_by_cache"]) == {"f16", "q4_0"}

@@ -171,10 +171,11 @@ def check_biases(settings: ConvertSettings, geometry: AttentionGeometry) -> None
     5.5 -> 1.4e6 with its q/k/v biases dropped; the value bias alone 8e5). Refused rather than written."""
     biased = geometry.q_bias or geometry.k_bias or geometry.v_bias or geometry.o_bias
     if biased and drops_biases(settings.target, settings.biases) and not settings.method.refines:
+        named = next((name for name, preset in PRESETS.items() if preset == settings.method), "given")
         raise UserError(
             f"the source has attention biases, which --target {settings.target} (--biases {settings.biases}) drops, "
-            f"and method '{settings.method_name}' has no refinement to make up for them: the output would not be this "
-            "model. Use --method default, or --biases keep --target transformers for an exact checkpoint")
+            f"and the {named} method has no refinement (refine_steps 0) to make up for them: the output would not be "
+            "this model. Use --method default, or --biases keep --target transformers for an exact checkpoint")
 
 
 def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=None) -> dict[int, dict]:
