@@ -131,3 +131,28 @@ def test_gguf_original_saved_for_vllm_computes_the_same(tmp_path):
         b = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids).logits
     assert torch.equal(a, b)
     assert "quantization_config" not in json.loads((tmp_path / "original" / "config.json").read_text())
+
+
+def test_ruler_needles_offline_for_original_and_converted(smollm2_converted, tmp_path, monkeypatch):
+    """eval/ruler.py: lm-eval's RULER needle task, its haystack built here at the asked length (no hub), answered by
+    the original and the converted model on the same samples; a rerun measures nothing again (resumable)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = smollm2_converted[2]
+    script = Path(__file__).resolve().parents[1] / "eval" / "ruler.py"
+    args = [sys.executable, str(script), "--output-dir", str(tmp_path), "--lengths", "1024", "--limit", "2",
+            "--tasks", "niah_single_1", "--checkpoint", f"mla={out}"]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "ruler.jsonl").read_text().splitlines()]
+    assert [(r["model"], r["task"], r["length"], r["rows"]) for r in rows] == [
+        ("original", "niah_single_1", 1024, 2), ("mla", "niah_single_1", 1024, 2)]
+    assert all(len(r["samples"]) == 2 and set(r["samples"]) <= {"0", "1"} for r in rows)
+    table = (tmp_path / "ruler.md").read_text()
+    assert "| mla | transformers | exact | niah_single_1 |" in table and "1024 tokens" in table
+    again = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and len((tmp_path / "ruler.jsonl").read_text().splitlines()) == 2
