@@ -243,6 +243,20 @@ def _llamacpp_or_skip():
             raise
         pytest.skip(str(exc))
 
+def _smollm2_closed_form_for_llamacpp(tmp_path, calib_samples: int, calib_seq_len: int):
+    """SmolLM2 converted at 128 + 64 for llama.cpp with the closed form: (source dir, GGUF name, output, held-out)."""
+    from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
+
+    _llamacpp_or_skip()
+    model_dir, gguf = smollm2_gguf()
+    calib, heldout = split_documents(lee_corpus(), tmp_path / "data")
+    out = tmp_path / "mla"
+    convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(out), latent_dim=128, rope_dim=64,
+                            calib_data=str(calib), calib_samples=calib_samples, calib_seq_len=calib_seq_len,
+                            dtype="float32", device="cpu", progress=False, method=PRESETS["closed-form"],
+                            target="llamacpp"))
+    return model_dir, gguf, out, heldout
+
 
 def _check_llamacpp(model_dir, gguf_file, text_file, ctx: int, chunks: int, prompt: str, flags=()) -> dict:
     """llama.cpp on our GGUF vs transformers on the checkpoint: perplexity computed the same way
@@ -446,16 +460,9 @@ def test_eval_in_llamacpp_cache_types(tmp_path, monkeypatch):
     q8_0 cache within 1% of its f16 cache, what ops/kv_quant.py predicts for a q4_0 cache is what llama.cpp
     does to the converted model (its perplexity through our simulated cache, scored as llama-perplexity scores), and
     llama.cpp rotates the original's quantized K cache but not the converted model's."""
-    from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
     from transmla_tool.evaluate.run import EvalSettings, run_eval
 
-    _llamacpp_or_skip()
-    model_dir, gguf = smollm2_gguf()
-    calib, heldout = split_documents(lee_corpus(), tmp_path / "data")
-    out = tmp_path / "mla"
-    convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(out), latent_dim=128, rope_dim=64,
-                            calib_data=str(calib), calib_samples=8, calib_seq_len=256, dtype="float32", device="cpu",
-                            progress=False, method=PRESETS["closed-form"], target="llamacpp"))
+    model_dir, gguf, out, heldout = _smollm2_closed_form_for_llamacpp(tmp_path, 8, 256)
     report = run_eval(EvalSettings(original=model_dir, gguf_file=gguf, converted=str(out), data=str(heldout),
                                    output_dir=str(tmp_path / "report"), engine="llamacpp", gguf_type="f32",
                                    seq_len=512, max_tokens=4096, contexts=[512], new_tokens=2, device="cpu",
@@ -620,17 +627,10 @@ def test_pre_tokenizer_names_are_llama_cpps():
 def test_eval_tasks_in_llamacpp_under_each_cache(tmp_path, monkeypatch):
     """`eval --engine llamacpp --tasks --cache-types`: lm-eval's stock task answered by llama.cpp for both models under
     each cache type (the converted model under the K type), on the rows lm-eval picks, with the data read offline."""
-    from transmla_tool.assets import lee_corpus, smollm2_gguf, split_documents
     from transmla_tool.evaluate.run import EvalSettings, run_eval
 
-    _llamacpp_or_skip()
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    model_dir, gguf = smollm2_gguf()
-    calib, heldout = split_documents(lee_corpus(), tmp_path / "data")
-    out = tmp_path / "mla"
-    convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(out), latent_dim=128, rope_dim=64,
-                            calib_data=str(calib), calib_samples=4, calib_seq_len=128, dtype="float32", device="cpu",
-                            progress=False, method=PRESETS["closed-form"], target="llamacpp"))
+    model_dir, gguf, out, heldout = _smollm2_closed_form_for_llamacpp(tmp_path, 4, 128)
     report = run_eval(EvalSettings(original=model_dir, gguf_file=gguf, converted=str(out), data=str(heldout),
                                    output_dir=str(tmp_path / "report"), engine="llamacpp", gguf_type="f32",
                                    seq_len=128, max_tokens=512, contexts=[128], new_tokens=2, device="cpu",
