@@ -66,7 +66,8 @@ def main() -> None:
     parser.add_argument("--configs", default="transmla;closed-form;default", help="';'-separated configurations")
     parser.add_argument("--calib-samples", type=int, default=ConvertSettings.calib_samples)
     parser.add_argument("--calib-seq-len", type=int, default=512)
-    parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows of 512 tokens per domain")
+    parser.add_argument("--eval-windows", type=int, default=8, help="held-out windows of --ctx tokens per domain")
+    parser.add_argument("--ctx", type=int, default=512, help="held-out window length (score at the serving length)")
     parser.add_argument("--device", default="auto", help="conversion and scoring device (auto, cpu, cuda)")
     parser.add_argument("--data-dir", help="domain splits written by an earlier run (default <output-dir>/data, "
                         "rebuilt): reuse them so that another machine's Python does not change the code/docs text")
@@ -88,12 +89,12 @@ def main() -> None:
     specs = {source: calib_spec(source, splits) for source in args.calib.split(",")}
     device = resolve_device(args.device)
     tokenizer = load_tokenizer(model_dir, gguf)
-    windows = {d: token_windows(str(splits[d][1]), tokenizer, 512, args.eval_windows, min_windows=args.eval_windows)
-               for d in DOMAINS}
+    windows = {d: token_windows(str(splits[d][1]), tokenizer, args.ctx, args.eval_windows,
+                                min_windows=args.eval_windows) for d in DOMAINS}
     rows = _read(results)
     done = {(r["calib"], r["config"], r["budget"], r["domain"]) for r in rows}
-    scoring = {"eval_windows": args.eval_windows}
-    check_same_scoring(rows, results, scoring)
+    scoring = {"eval_windows": args.eval_windows, "ctx": args.ctx}
+    check_same_scoring(rows, results, scoring, unrecorded={"ctx": 512})  # rows before --ctx were all at 512
 
     # the original is scored on every device that scores converted models: fp32 perplexities differ
     # between devices by more than the effects measured here, so a ratio never mixes two devices
@@ -196,8 +197,9 @@ def write_tables(out: Path, plot: dict | None = None) -> dict:
         if unknown:
             raise SystemExit(f"--plot-configs names {unknown[0]!r}, which has no rows; configurations: "
                              + "; ".join(configs))
-    lines = ["Perplexity ratio converted / original on each domain's held-out text, both scored on the same "
-             "device (original: " + "; ".join(
+    ctx = {r.get("ctx", 512) for r in rows} or {512}
+    lines = [f"Perplexity ratio converted / original on each domain's held-out text (windows of {max(ctx)} tokens), "
+             "both scored on the same device (original: " + "; ".join(
                  f"{dev} " + ", ".join(f"{d} {by_device[(dev, d)]:.2f}" for d in DOMAINS if (dev, d) in by_device)
                  for dev in devices) + ").", ""]
 

@@ -81,7 +81,9 @@ def main() -> None:
                         help="after healing, place the conversion and the healed model on the frontier: llama.cpp "
                         "perplexity on the held-out text under these cache types (e.g. f16,q8_0,q4_0; the original "
                         "under the same types), beside the bytes each allocates (needs `make engines`)")
-    parser.add_argument("--frontier-chunks", type=int, default=16, help="llama-perplexity windows of 512 tokens")
+    parser.add_argument("--frontier-chunks", type=int, default=16, help="llama-perplexity windows of --frontier-ctx")
+    parser.add_argument("--frontier-ctx", type=int, default=512,
+                        help="llama-perplexity window length of the frontier placement (the serving length)")
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--save-every", type=int, default=25)
     parser.add_argument("--save-total-limit", type=int, default=2,
@@ -141,7 +143,8 @@ def main() -> None:
         tokens = json.loads((healed / "healing.json").read_text())["tokens"]
         checkpoints = {"converted": converted, f"healed {tokens} tokens": healed}
         checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device))
-        place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks)
+        place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks,
+                          args.frontier_ctx)
         return
     record = out / "conversion.json"
     # the resolved method too: `default` changes between releases, and a rerun must not reuse an older default's
@@ -197,7 +200,8 @@ def main() -> None:
     if cache_types:
         checkpoints = {"converted": converted, f"healed {summary['tokens']} tokens": healed}
         checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device))
-        place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks)
+        place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks,
+                          args.frontier_ctx)
 
 
 def run_splits(data_dir: Path, left_out: str | None) -> tuple[str, Path]:
@@ -235,7 +239,7 @@ def with_rebalanced(checkpoints: dict, balance: str | None, calib: str, device: 
 
 
 def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, heldout: Path, cache_types: list[str],
-                      chunks: int) -> None:
+                      chunks: int, ctx: int = 512) -> None:
     """llama.cpp perplexity of the original and of each checkpoint on the held-out documents under each cache type:
     where healing moves the model on the quality-per-byte frontier. Appends a table to heal.md; frontier.json keeps
     the types scored before and adds these."""
@@ -247,26 +251,27 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
     text = out / "heldout.txt"
     text.write_text("\n\n".join(json.loads(line)["text"] for line in heldout.read_text().splitlines() if line.strip()))
     with tempfile.TemporaryDirectory() as tmp:
-        scored = score_in_llamacpp(model_dir, gguf, checkpoints, text, 512, chunks, cache_types, cache_types, tmp)
+        scored = score_in_llamacpp(model_dir, gguf, checkpoints, text, ctx, chunks, cache_types, cache_types, tmp)
     engine = {"version": llama_cpp_version(),
               "cpu_kernels": sorted({m["cpu_kernels"] for types in scored.values() for m in types.values()})}
     earlier = json.loads((out / "frontier.json").read_text()) if (out / "frontier.json").exists() else {}
     # keep the cache types scored before (a rerun adds types, it does not drop them), but only when the same
     # llama.cpp build on the same CPU kernels scored them: a quantized cache's perplexity moves between builds
-    if earlier.get("chunks") == chunks and earlier.get("engine") == engine:
+    if earlier.get("chunks") == chunks and earlier.get("ctx", 512) == ctx and earlier.get("engine") == engine:
         for key, types in scored.items():
             earlier["scored"].setdefault(key, {}).update(types)
         scored = earlier["scored"]
     elif earlier:
         print(f"note: {out / 'frontier.json'} was scored by {earlier.get('engine', 'an unrecorded llama.cpp build')} "
-              f"with {earlier.get('chunks')} windows; this is {engine} with {chunks}: its scores are replaced, not "
-              "merged (a rerun scores every cache type it should keep)")
+              f"with {earlier.get('chunks')} windows of {earlier.get('ctx', 512)}; this is {engine} with {chunks} of "
+              f"{ctx}: its scores are replaced, not merged (a rerun scores every cache type it should keep)")
     reference = scored["original"]["f16"]["perplexity"]
     points = [Point(label=key, kind="original" if key == "original" else "converted", cache=entry,
                     bytes=round(m["bytes"], 1), ratio=m["perplexity"] / reference)
               for key, types in scored.items() for entry, m in types.items()]
-    (out / "frontier.json").write_text(json.dumps({"scored": scored, "chunks": chunks, "engine": engine}, indent=2))
-    lines = ["", f"## Where it lands: llama.cpp perplexity on {heldout.name} per cache byte ({chunks} windows of 512)",
+    (out / "frontier.json").write_text(json.dumps({"scored": scored, "chunks": chunks, "ctx": ctx, "engine": engine},
+                                                  indent=2))
+    lines = ["", f"## Where it lands: llama.cpp perplexity on {heldout.name} per cache byte ({chunks} windows of {ctx})",
              "", f"({build_label(engine['version'], engine['cpu_kernels'])})",
              "", *markdown_table(points, scored["original"]["f16"]["bytes"])]
     with open(out / "heal.md", "a") as f:

@@ -166,12 +166,14 @@ def check_resumable(rows: list[dict], results: Path, where: dict, made: dict) ->
                                  "(or before rows recorded it): give this run another config name or --output-dir")
 
 
-def check_same_scoring(rows: list[dict], results: Path, scoring: dict) -> None:
+def check_same_scoring(rows: list[dict], results: Path, scoring: dict, unrecorded: dict | None = None) -> None:
     """A row's key names what was converted, not the text it was scored on: refuse to resume rows scored on other
     windows (`scoring`, e.g. {"eval_windows": 32}, is recorded in every row), or a rerun with another window count
-    would find the rows done, or divide new scores by an original scored on other text."""
+    would find the rows done, or divide new scores by an original scored on other text. `unrecorded`: what a field
+    was before rows recorded it (e.g. every row was scored at 512 tokens before the length was a flag)."""
+    unrecorded = unrecorded or {}
     for row in rows:
-        got = {k: row.get(k, "not recorded") for k in scoring}
+        got = {k: row.get(k, unrecorded.get(k, "not recorded")) for k in scoring}
         if got != scoring:
             found, asked = (", ".join(f"{k} {v}" for k, v in d.items()) for d in (got, scoring))
             raise SystemExit(f"{results} holds rows scored with {found}; this run asks for {asked}: "

@@ -111,6 +111,20 @@ def test_crossdomain_refuses_to_resume_rows_made_otherwise(tmp_path):
         check(rows, results, cf, {**made, "method": resolve_method("closed-form").as_dict()})
 
 
+def test_crossdomain_rows_of_another_length_are_never_mixed(tmp_path):
+    """crossdomain.py --ctx: a row records the window length it was scored at; rows written before the flag were at
+    512 and resume at 512, and a run at another length refuses the file (its ratios would mix two lengths)."""
+    check = _crossdomain().check_same_scoring
+    results = tmp_path / "crossdomain.jsonl"
+    before_flag = [{"calib": "news", "config": "default", "domain": "docs", "eval_windows": 8}]
+    check(before_flag, results, {"eval_windows": 8, "ctx": 512}, unrecorded={"ctx": 512})
+    with pytest.raises(SystemExit, match="ctx 512; this run asks for eval_windows 8, ctx 2048"):
+        check(before_flag, results, {"eval_windows": 8, "ctx": 2048}, unrecorded={"ctx": 512})
+    at_2048 = [{**before_flag[0], "ctx": 2048}]
+    with pytest.raises(SystemExit, match="ctx 2048"):
+        check(at_2048, results, {"eval_windows": 8, "ctx": 512}, unrecorded={"ctx": 512})
+
+
 def test_rerun_commands_remake_the_recorded_method():
     """A command printed from old rows names every setting whose default has moved since, so that it remakes
     (and resumes) those rows instead of measuring today's default under their name."""
@@ -221,6 +235,13 @@ def test_heal_frontier_only_adds_cache_types_to_a_finished_run(tmp_path, monkeyp
     assert scored["healed 8 tokens"] == {"q4_0": before["healed 8 tokens"]["q4_0"], "iq4_nl": new}
     assert "| healed 8 tokens | iq4_nl |" in (out / "heal.md").read_text()
     assert "(llama.cpp test, CPU kernels SSE3 AVX AVX2)" in (out / "heal.md").read_text()
+    assert "(16 windows of 512)" in (out / "heal.md").read_text()
+    # --frontier-ctx 2048: the 512-token scores are replaced, never put beside the 2048-token ones
+    heal_script.place_on_frontier(out, "model", "model.gguf", {"healed 8 tokens": out / "healed"}, heldout,
+                                  ["iq4_nl"], 16, 2048)
+    record = json.loads((out / "frontier.json").read_text())
+    assert record["ctx"] == 2048 and record["scored"]["healed 8 tokens"] == {"iq4_nl": new}
+    assert "(16 windows of 2048)" in (out / "heal.md").read_text()
 
 
 def test_heal_frontier_only_never_merges_scores_of_another_llama_cpp_build(tmp_path, monkeypatch, capsys):
