@@ -3,6 +3,7 @@ benchmarks, not tested here; that they run and check what they claim to check is
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -610,3 +611,31 @@ def test_benchmarks_refuse_to_resume_rows_scored_on_other_windows(tmp_path):
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     frontier.write_tables(tmp_path, [216.0])
     assert "rows scored on different windows: their ratios are not comparable" in (tmp_path / "frontier.md").read_text()
+
+
+def test_length_ablation_configs_and_table(tmp_path):
+    """eval/length.py: a configuration names its budget, rotary size and calibration length; the table divides each
+    length's perplexity by the original's at that length, and splits the longest length by position."""
+    length = _eval_module("length")
+    config = length.parse_length_config("nope=192/32/8192/closed-form:nope_rotation=expected")
+    assert (config["budget"], config["rope_dim"], config["calib_seq_len"]) == (192, 32, 8192)
+    assert config["preset"] == "closed-form" and config["overrides"] == ["nope_rotation=expected"]
+    for bad in ("x=192/32/closed-form", "x=192/192/512/default", "=192/32/512/default"):
+        with pytest.raises(SystemExit):
+            length.parse_length_config(bad)
+
+    def row(config, n, ppl, by_position, **extra):
+        return {"config": config, "length": n, "domain": "docs", "perplexity": ppl, "eval_tokens": 8192,
+                "calib": "mix-docs", "by_position": by_position, "seconds": 60, **extra}
+
+    made = {"budget": 192, "rope_dim": 32, "calib_seq_len": 512, "convert_seconds": 90.0,
+            "convert_peak_rss_mb": 2000.0}
+    rows = [row("original", 512, 10.0, {"0": 2.3}), row("original", 4096, 8.0, {"0": 2.2, "512": 2.0, "2048": 2.0}),
+            row("a", 512, 12.0, {"0": 2.48}, **made),
+            row("a", 4096, 12.0, {"0": 2.3, "512": 2.4, "2048": 2.6}, **made)]
+    (tmp_path / "length.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    length.write_table(tmp_path)
+    table = (tmp_path / "length.md").read_text()
+    assert "| a | 192 | 32 | 512 | 90.0 | 2000.0 | 1.200 | 1.500 | 1.250x |" in table
+    assert "| positions 0-511 | positions 512-2047 | positions 2048-4095 |" in table
+    assert f"| a | {math.exp(0.1):.3f} | {math.exp(0.4):.3f} | {math.exp(0.6):.3f} |" in table

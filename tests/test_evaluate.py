@@ -326,3 +326,27 @@ def test_eval_transformers_cache_types(converted_pair, text_file, tmp_path):
     assert rows["converted", "hqq-int4"]["bytes_per_token_per_layer"] < 24 * 4 / 4
     text = (tmp_path / "report" / "report.md").read_text()
     assert "transformers' caches" in text and "| converted | hqq-int4 |" in text
+
+
+def test_perplexity_by_position_splits_the_same_loss():
+    """perplexity(bounds=...): the loss of the positions in each range, which together are the whole window's."""
+    from types import SimpleNamespace
+
+    from transmla_tool.evaluate.perplexity import perplexity
+
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(50, 50)
+    model = torch.nn.Module()
+    model.table = table
+    model.forward = lambda ids: SimpleNamespace(logits=table(ids))
+    windows = torch.randint(0, 50, (3, 20))
+    whole = perplexity(model, windows, batch_size=2, progress=False)
+    split = perplexity(model, windows, batch_size=2, progress=False, bounds=(5, 12, 40))
+    assert split["tokens"] == whole["tokens"] == 3 * 19
+    assert list(split["by_position"]) == ["0", "5", "12"]  # a bound past the window is dropped
+    counts = {"0": 4, "5": 7, "12": 8}  # predicted positions 1-4, 5-11, 12-19
+    recombined = sum(split["by_position"][k] * n for k, n in counts.items()) / 19
+    assert recombined == pytest.approx(whole["nll_per_token"], rel=1e-6)
+    logits = table(windows)[:, :-1]
+    late = torch.nn.functional.cross_entropy(logits[:, 11:].transpose(1, 2), windows[:, 12:])
+    assert split["by_position"]["12"] == pytest.approx(float(late), rel=1e-6)
