@@ -335,7 +335,8 @@ def test_dropped_biases_without_refinement_refused(make_model, convert_tiny, tmp
     from transmla_tool.methods import PRESETS
 
     src = make_model("qwen2", kv_heads=2)
-    with pytest.raises(UserError, match="has no refinement to make up for them"):
+    refused = r"the closed-form method has no refinement \(refine_steps 0\) to make up for them"
+    with pytest.raises(UserError, match=refused):
         convert_tiny(src, latent_dim=24, rope_dim=8, target="llamacpp", method=PRESETS["closed-form"],
                      method_name="closed-form", output=tmp_path / "refused")
     assert not (tmp_path / "refused").exists() and not list(tmp_path.glob(".refused*"))
