@@ -34,7 +34,6 @@ from crossdomain import calib_spec, reuse_splits  # noqa: E402
 from quality import _append, _read, check_resumable, check_same_scoring, parse_config  # noqa: E402
 
 from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
-from transmla_tool.convert import ConvertSettings, convert  # noqa: E402
 from transmla_tool.data import token_windows  # noqa: E402
 from transmla_tool.errors import UserError  # noqa: E402
 from transmla_tool.evaluate.models import load_model, load_tokenizer  # noqa: E402
@@ -57,6 +56,36 @@ def parse_length_config(spec: str) -> dict:
         raise SystemExit(f"--configs {name}: the rotary key ({rope}) must leave a latent in the budget ({budget})")
     return {"name": name, "budget": budget, "rope_dim": rope, "calib_seq_len": calib_len, "preset": preset,
             "overrides": overrides}
+
+
+def convert_in_child(model_dir: str, gguf: str, ckpt: Path, config: dict, spec: str, samples: int,
+                     device: str) -> dict:
+    """`transmla-tool convert` in its own process, so that its peak memory is its own (this process has held
+    long-window logits): wall time, peak RSS and time per stage from the conversion's record."""
+    import subprocess
+
+    argv = [sys.executable, "-m", "transmla_tool", "convert", "--model", model_dir, "--gguf-file", gguf,
+            "--output", str(ckpt), "--overwrite", "--target", "llamacpp", "--no-progress", "--dtype", "float32",
+            "--device", device, "--latent-dim", str(config["budget"] - config["rope_dim"]),
+            "--rope-dim", str(config["rope_dim"]), "--calib-data", spec, "--calib-samples", str(samples),
+            "--calib-seq-len", str(config["calib_seq_len"]), "--method", config["preset"]]
+    for override in config["overrides"]:
+        argv += ["--set", override]
+    start = time.time()
+    run = subprocess.run(argv, check=False)
+    if run.returncode != 0:
+        raise SystemExit(f"length.py: converting {config['name']} failed (exit {run.returncode}): {' '.join(argv)}")
+    summary = json.loads((ckpt / "conversion.json").read_text())
+    return {"convert_seconds": round(time.time() - start, 1), "peak_rss_mb": summary["peak_rss_mb"],
+            "stages": summary["stages"]}
+
+
+def conversion_peak(cost: dict) -> float | None:
+    """The conversion's peak RSS: its own process's, or for one run inside this script (the first rows), the largest
+    of its stages' peaks (each stage resets the kernel's high-water mark; the process's peak also holds scoring)."""
+    if "stages" in cost and cost.get("stages"):
+        return max(stage["peak_rss_mb"] for stage in cost["stages"].values())
+    return cost.get("peak_rss_mb")
 
 
 def main() -> None:
@@ -123,18 +152,12 @@ def main() -> None:
         record = ckpt / "conversion-cost.json"
         # the checkpoint appears only when complete (staged, renamed); kept only for the same configuration
         if not record.exists() or json.loads(record.read_text()).get("made") != made:
-            start = time.time()
-            summary = convert(ConvertSettings(
-                model=model_dir, gguf_file=gguf, output=str(ckpt), latent_dim=config["budget"] - config["rope_dim"],
-                rope_dim=config["rope_dim"], calib_data=spec, calib_samples=made["calib_samples"],
-                calib_seq_len=config["calib_seq_len"], dtype="float32", device=args.device, overwrite=True,
-                target="llamacpp", method=method, method_name=config["preset"], progress=False))
-            record.write_text(json.dumps({"made": made, "convert_seconds": round(time.time() - start, 1),
-                                          "peak_rss_mb": summary.get("peak_rss_mb"), "stages": summary.get("stages")}))
+            cost = convert_in_child(model_dir, gguf, ckpt, config, spec, made["calib_samples"], args.device)
+            record.write_text(json.dumps({"made": made, **cost}))
         cost = json.loads(record.read_text())
         model = load_model(str(ckpt), None, torch.float32, device)
         score(name, model, {**made, "preset": config["preset"], "overrides": config["overrides"],
-                            "convert_seconds": cost["convert_seconds"], "convert_peak_rss_mb": cost["peak_rss_mb"]})
+                            "convert_seconds": cost["convert_seconds"], "convert_peak_rss_mb": conversion_peak(cost)})
         del model
         gc.collect()
     write_table(out)
