@@ -639,3 +639,26 @@ def test_length_ablation_configs_and_table(tmp_path):
     assert "| a | 192 | 32 | 512 | 90.0 | 2000.0 | 1.200 | 1.500 | 1.250x |" in table
     assert "| positions 0-511 | positions 512-2047 | positions 2048-4095 |" in table
     assert f"| a | {math.exp(0.1):.3f} | {math.exp(0.4):.3f} | {math.exp(0.6):.3f} |" in table
+
+
+def test_heal_memory_rows_per_arm_and_length(teacher_and_student, text_file, tmp_path):
+    """eval/heal_memory.py: each (arm, length) healed in its own process, its peak memory and whether the chunked loss
+    ran recorded; a rerun measures nothing again; a malformed arm stops before any work."""
+    teacher, student = teacher_and_student
+    argv = [sys.executable, str(ROOT / "eval" / "heal_memory.py"), "--model", str(student), "--teacher", str(teacher),
+            "--data", str(text_file), "--output-dir", str(tmp_path / "hm"), "--lengths", "16,48",
+            "--arms", "whole=0;chunked-gc=24,gc", "--steps", "2"]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "hm" / "heal_memory.jsonl").read_text().splitlines()]
+    got = {(r["arm"], r["length"]): r for r in rows}
+    assert set(got) == {("whole", 16), ("whole", 48), ("chunked-gc", 16), ("chunked-gc", 48)}
+    assert got[("chunked-gc", 48)]["loss_chunk_used"] == 24 and got[("chunked-gc", 48)]["loss_chunk_checks"] == 2
+    assert got[("chunked-gc", 16)]["loss_chunk_used"] is None  # a window within one chunk is read whole
+    assert got[("whole", 48)]["loss_chunk_used"] is None
+    assert all(r["process_peak_rss_mb"] > 100 and r["train_peak_rss_mb"] > 100 for r in rows)
+    assert "| chunked-gc | 24 | yes | 48 |" in (tmp_path / "hm" / "heal_memory.md").read_text()
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "==" not in again.stdout
+    bad = subprocess.run(argv[:-4] + ["--arms", "x=abc"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "NAME=LOSS_CHUNK" in bad.stderr

@@ -182,7 +182,8 @@ def test_heal_needs_a_loss(teacher_and_student, text_file, tmp_path, capsys):
 
 def test_accelerate_launch_two_cpu_processes(teacher_and_student, text_file, tmp_path):
     """Two DDP processes on CPUs: the run trains, exports, and its learning rate follows the schedule of the
-    run's optimizer steps (warm-up, then cosine), not one stepped once per process per step."""
+    run's optimizer steps (warm-up, then cosine), not one stepped once per process per step. The loss reads the
+    logits in chunks (--loss-chunk below --seq-len) through the DDP wrapper."""
     from transmla_tool.heal.train import _lr_lambda
 
     teacher, student = teacher_and_student
@@ -192,11 +193,13 @@ def test_accelerate_launch_two_cpu_processes(teacher_and_student, text_file, tmp
            "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "transmla_tool", "heal",
            "--model", str(student), "--teacher", str(teacher), "--data", str(text_file), "--output", str(out),
            "--seq-len", "64", "--batch-size", "2", "--max-steps", "4", "--warmup-steps", "2", "--lr", "3e-3",
-           "--eval-data", str(text_file), "--eval-every", "4", "--eval-windows", "4", "--no-progress"]
+           "--eval-data", str(text_file), "--eval-every", "4", "--eval-windows", "4", "--no-progress",
+           "--loss-chunk", "24"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((out / "healing.json").read_text())
     assert summary["processes"] == 2 and summary["tokens"] == 4 * 2 * 2 * 64
+    assert summary["loss_chunk"] == 24 and summary["loss_chunk_checks"] == 4
     logged = [row["lr"] for row in _log(out) if "lr" in row]
     factor = _lr_lambda(4, 2)
     assert logged == pytest.approx([3e-3 * factor(step) for step in range(1, 5)], rel=1e-9)
@@ -366,3 +369,68 @@ def test_healing_a_kept_query_norm(make_model, text_file, tmp_path):
     ids = sample_ids(stock.config.vocab_size)
     with torch.no_grad():
         assert rel_err(stock(ids).logits, natural(ids, use_cache=False).logits) < 1e-5
+
+
+def test_the_loss_at_length_holds_one_chunk_of_logits_and_trains_the_same(teacher_and_student, text_file, tmp_path):
+    """--seq-len longer than --loss-chunk: the loss reads logits a chunk at a time (the fast path ran: every step's
+    check counted), and the run equals the whole-window one to rounding (losses, held-out perplexity, weights)."""
+    teacher, student = teacher_and_student
+    whole, chunked = tmp_path / "whole", tmp_path / "chunked"
+    a = heal(_settings(teacher, student, text_file, whole, max_steps=3, eval_every=3, loss_chunk=0, lm_weight=0.5))
+    b = heal(_settings(teacher, student, text_file, chunked, max_steps=3, eval_every=3, loss_chunk=24, lm_weight=0.5))
+    assert a["loss_chunk"] is None and a["loss_chunk_checks"] == 0
+    assert b["loss_chunk"] == 24 and b["loss_chunk_checks"] == 3
+    for row, other in zip(_log(whole), _log(chunked), strict=True):
+        for key in ("loss", "kd", "lm", "eval_perplexity"):
+            if key in row:
+                assert abs(row[key] - other[key]) < 1e-4 * abs(row[key]), (key, row, other)
+    first, second = load_file(whole / "model.safetensors"), load_file(chunked / "model.safetensors")
+    for key in first:
+        assert rel_err(first[key], second[key]) < 1e-4, key
+
+
+def test_chunked_distill_loss_equals_the_whole_one_with_its_gradient():
+    from types import SimpleNamespace
+
+    from transmla_tool.heal.loss import chunked_distill_loss, distill_loss
+
+    torch.manual_seed(0)
+    settings = SimpleNamespace(kd_weight=1.0, lm_weight=0.3, temperature=2.0)
+    head, teacher_head = torch.nn.Linear(16, 50, bias=False), torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(2, 37, 16, requires_grad=True)
+    target = torch.randn(2, 37, 16)
+    labels = torch.randint(0, 50, (2, 37))
+    whole = distill_loss(head(hidden), teacher_head(target), labels, settings)
+    (grad_whole,) = torch.autograd.grad(whole[0], hidden)
+    parts = chunked_distill_loss(hidden, head, target, teacher_head, labels, settings, chunk=10)
+    (grad_parts,) = torch.autograd.grad(parts[0], hidden)
+    for x, y in zip(whole, parts, strict=True):
+        assert torch.allclose(x, y, rtol=1e-5), (x, y)
+    assert rel_err(grad_parts, grad_whole) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "phi3", "granite", "gemma"])
+def test_the_last_hidden_state_gives_every_familys_logits(make_model, family):
+    """A teacher of any family is read through its last hidden state and output layer: the check inside FinalHidden
+    passes (Granite's logit scaling included) and the chunked held-out NLL equals the whole-window one."""
+    from transmla_tool.heal.loss import FinalHidden, output_layer, window_nll
+
+    model = AutoModelForCausalLM.from_pretrained(make_model(family), dtype=torch.float32).eval()
+    ids = sample_ids(model.config.vocab_size, length=40)
+    reader = FinalHidden(model)
+    with torch.no_grad():
+        hidden = reader(ids)
+        assert reader.checks == 1
+        assert rel_err(output_layer(model)(hidden), model(ids).logits) < 1e-5
+        assert torch.allclose(window_nll(model, ids, chunk=16), window_nll(model, ids, chunk=0), rtol=1e-6)
+
+
+def test_an_output_the_chunked_loss_does_not_know_is_an_error(make_model):
+    """A family whose logits are not its output layer on the last hidden state (here a scale the forward does not
+    apply) stops the chunked loss rather than training on other logits."""
+    from transmla_tool.heal.loss import FinalHidden
+
+    model = AutoModelForCausalLM.from_pretrained(make_model("llama"), dtype=torch.float32).eval()
+    model.config.logits_scaling = 4.0
+    with torch.no_grad(), pytest.raises(RuntimeError, match="--loss-chunk 0"):
+        FinalHidden(model)(sample_ids(model.config.vocab_size, length=20))

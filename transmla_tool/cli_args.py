@@ -150,7 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-type", default=None,
                    help="quantization-aware healing: train through this llama.cpp KV-cache type (q8_0, q5_0, q5_1, "
                    "q4_0, q4_1, iq4_nl, f16) for a model served over that cache (default: an exact cache)")
-    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each layer in the backward (what lets --seq-len 8192 fit; see docs/long-context.md)")
+    p.add_argument("--loss-chunk", type=int, default=1024,
+                   help="positions whose vocabulary-sized logits the loss holds at once, for windows longer than "
+                   "this (0: whole windows)")
     p.add_argument("--mixed-precision", default="auto", help="auto (bf16 on GPU), no, bf16, fp16")
     p.add_argument("--save-every", type=int, default=0, help="steps between resumable checkpoints")
     p.add_argument("--save-total-limit", type=int, default=None,

@@ -12,7 +12,7 @@ from ..ops.kv_quant import BLOCK, SIMULATED_CACHE_TYPES, mla_cache_problem
 SETTINGS_FILE = "settings.json"  # in the checkpoint directory: what a --resume must match
 # Settings a resumed run may change: they do not touch the trained weights, the data order or the schedule.
 RESUMABLE_CHANGES = ("output", "save_every", "save_total_limit", "eval_data", "eval_every", "eval_windows",
-                     "checkpoint_dir", "resume", "overwrite", "progress")
+                     "checkpoint_dir", "resume", "overwrite", "progress", "loss_chunk")
 
 
 @dataclass
@@ -39,6 +39,9 @@ class HealSettings:
     # model that will be served over that cache (None: an exact cache)
     cache_type: str | None = None
     gradient_checkpointing: bool = False
+    # logits of at most this many positions at once in the loss (0: whole windows); at 8192 tokens a window's
+    # logits are 1.6 GB per model for SmolLM2's vocabulary (heal/loss.py)
+    loss_chunk: int = 1024
     mixed_precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     save_every: int = 0  # steps between resumable checkpoints (0: only at the end)
     save_total_limit: int | None = None  # keep at most this many checkpoints (oldest removed first)
@@ -68,6 +71,8 @@ class HealSettings:
             raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if min(self.seq_len, self.batch_size, self.grad_accum) < 1 or self.temperature <= 0:
             raise UserError("--seq-len, --batch-size and --grad-accum must be >= 1, --temperature > 0")
+        if self.loss_chunk < 0:
+            raise UserError(f"--loss-chunk must be >= 0 (0: whole windows), got {self.loss_chunk}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise UserError("--save-total-limit must be >= 1")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):

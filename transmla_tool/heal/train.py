@@ -17,7 +17,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..data import token_windows
@@ -33,9 +32,11 @@ from ..io.staging import (
     marker_of,
     write_marker,
 )
+from ..memory import reset_rss_peak, vm_hwm_mb
 from .checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import train_batches
 from .export import checkpoint_dtype, export
+from .loss import FinalHidden, chunked_distill_loss, distill_loss, output_layer, window_nll
 from .model import is_attention_param, to_natural
 from .settings import SETTINGS_FILE, HealSettings, check_cache_row, check_fingerprint, fingerprint
 
@@ -48,21 +49,6 @@ def _lr_lambda(total: int, warmup: int):
         return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
-
-
-def distill_loss(student_logits, teacher_logits, labels, settings: HealSettings):
-    """(total, kd, lm) per token; logits (B, L, V), labels (B, L) next-token targets already shifted."""
-    vocab = student_logits.shape[-1]
-    s = student_logits.float().reshape(-1, vocab)
-    kd = lm = torch.zeros((), device=s.device)
-    if settings.kd_weight > 0 and teacher_logits is not None:
-        t = settings.temperature
-        log_p_student = F.log_softmax(s / t, dim=-1)
-        log_p_teacher = F.log_softmax(teacher_logits.float().reshape(-1, vocab) / t, dim=-1)
-        kd = F.kl_div(log_p_student, log_p_teacher, log_target=True, reduction="batchmean") * t * t
-    if settings.lm_weight > 0:
-        lm = F.cross_entropy(s, labels.reshape(-1))
-    return settings.kd_weight * kd + settings.lm_weight * lm, kd.detach(), lm.detach()
 
 
 def heal(settings: HealSettings, on_step=None) -> dict:
@@ -227,6 +213,10 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
             teacher = teacher.to(accelerator.device)  # frozen: no DDP/DeepSpeed wrapper needed
         teacher.eval()
 
+    chunk = _loss_chunk(settings, accelerator)
+    student_hidden = FinalHidden(student) if chunk else None
+    teacher_hidden = FinalHidden(teacher) if chunk and teacher is not None else None
+
     state = {"step": 0, "tokens": 0, "batches": 0}
     if resume_from is not None:
         load_checkpoint(accelerator, resume_from, student, optimizer, scheduler)
@@ -249,11 +239,14 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
         _restart_log(log_path, state["step"] if resume_from is not None else None)
         if eval_windows is not None and state["step"] == 0:
             _log(log_path, {"step": 0, "tokens": 0,
-                            "eval_perplexity": evaluate_perplexity(student, eval_windows, accelerator)})
+                            "eval_perplexity": evaluate_perplexity(student, eval_windows, accelerator, chunk)})
     elif eval_windows is not None and state["step"] == 0:
-        evaluate_perplexity(student, eval_windows, accelerator)
+        evaluate_perplexity(student, eval_windows, accelerator, chunk)
 
     student.train()
+    reset_rss_peak()  # the training loop's own peak: loading and the export are not what --seq-len changes
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     bar = tqdm(total=total_steps, initial=state["step"], desc="healing", disable=not (settings.progress and main),
                unit="step")
     start, start_tokens = time.time(), state["tokens"]
@@ -266,12 +259,23 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
             state["batches"] += 1
             with accelerator.accumulate(student):
                 inputs, labels = ids[:, :-1], ids[:, 1:]
-                logits = student(inputs).logits
-                teacher_logits = None
-                if teacher is not None:
-                    with torch.no_grad():
-                        teacher_logits = teacher(inputs).logits
-                loss, kd, lm = distill_loss(logits, teacher_logits, labels, settings)
+                if chunk:  # at length: the last hidden states, and the logits a chunk at a time
+                    hidden = student_hidden(inputs)
+                    target = None
+                    if teacher_hidden is not None:
+                        with torch.no_grad():
+                            target = teacher_hidden(inputs)
+                    with accelerator.autocast():
+                        loss, kd, lm = chunked_distill_loss(
+                            hidden, output_layer(student), target, None if teacher is None else output_layer(teacher),
+                            labels, settings, chunk)
+                else:
+                    logits = student(inputs).logits
+                    teacher_logits = None
+                    if teacher is not None:
+                        with torch.no_grad():
+                            teacher_logits = teacher(inputs).logits
+                    loss, kd, lm = distill_loss(logits, teacher_logits, labels, settings)
                 losses += torch.stack([loss.detach(), kd, lm])
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
@@ -296,7 +300,7 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
             bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
         if eval_windows is not None and settings.eval_every and (
                 state["step"] % settings.eval_every == 0 or state["step"] == total_steps):
-            metrics["eval_perplexity"] = evaluate_perplexity(student, eval_windows, accelerator)
+            metrics["eval_perplexity"] = evaluate_perplexity(student, eval_windows, accelerator, chunk)
             student.train()
         if main:
             _log(log_path, metrics)
@@ -306,6 +310,8 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
         if on_step is not None:
             on_step(state["step"], metrics)
     bar.close()
+    train_peak_rss = vm_hwm_mb()
+    train_peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
     accelerator.wait_for_everyone()
     save_checkpoint(accelerator, ckpt_dir / f"step-{state['step']}", state, student, optimizer, scheduler,
@@ -317,23 +323,42 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
                "wall_tokens_per_s": (state["tokens"] - start_tokens) / max(time.time() - start, 1e-9),
                "processes": accelerator.num_processes, "mixed_precision": precision,
                "output_dtype": str(output_dtype).replace("torch.", ""),
-               "checkpoint_dir_mb": round(_dir_mb(ckpt_dir), 1) if main else None}
+               "checkpoint_dir_mb": round(_dir_mb(ckpt_dir), 1) if main else None,
+               # positions whose logits were alive at once (None: whole windows), and the steps that checked it
+               "loss_chunk": chunk or None,
+               # this process's peak memory over the training steps (MiB; RSS from the kernel, GPU from torch)
+               "train_peak_rss_mb": None if train_peak_rss is None else round(train_peak_rss, 1),
+               "train_peak_gpu_mb": None if train_peak_gpu is None else round(train_peak_gpu, 1), "loss_chunk_checks": student_hidden.checks if chunk else 0}
     if main:
         export(natural, config, settings, tokenizer, summary, output_dtype)
     accelerator.wait_for_everyone()
     return summary
 
 
+def _loss_chunk(settings: HealSettings, accelerator) -> int:
+    """Positions whose logits the loss holds at once: --loss-chunk when the windows are longer, else 0 (whole
+    windows, as the model's forward gives them). FSDP shards the output layer outside the forward: whole windows."""
+    from accelerate.utils import DistributedType
+
+    if not settings.loss_chunk or settings.seq_len <= settings.loss_chunk:
+        return 0
+    if accelerator.distributed_type == DistributedType.FSDP:
+        if accelerator.is_main_process:
+            print(f"heal: --loss-chunk {settings.loss_chunk} is not applied under FSDP (the output layer is sharded "
+                  f"outside the forward); the loss reads {settings.seq_len}-position logits whole")
+        return 0
+    return settings.loss_chunk
+
+
 @torch.no_grad()
-def evaluate_perplexity(model, windows: torch.Tensor, accelerator) -> float:
-    """Held-out perplexity, windows split over processes and summed."""
+def evaluate_perplexity(model, windows: torch.Tensor, accelerator, chunk: int = 0) -> float:
+    """Held-out perplexity, windows split over processes and summed (logits `chunk` positions at a time)."""
     model.eval()
     nll = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     count = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     for ids in windows[accelerator.process_index :: accelerator.num_processes]:
         ids = ids[None].to(accelerator.device)
-        logits = model(ids).logits[:, :-1].float()
-        nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").double()
+        nll += window_nll(model, ids, chunk)
         count += ids.shape[1] - 1
     nll, count = accelerator.reduce(nll, "sum"), accelerator.reduce(count, "sum")
     return math.exp(float(nll / count))
