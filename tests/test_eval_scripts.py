@@ -662,3 +662,30 @@ def test_heal_memory_rows_per_arm_and_length(teacher_and_student, text_file, tmp
     assert again.returncode == 0 and "==" not in again.stdout
     bad = subprocess.run(argv[:-4] + ["--arms", "x=abc"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "NAME=LOSS_CHUNK" in bad.stderr
+
+
+@pytest.mark.engines
+def test_llamacpp_speed_times_each_file_and_cache(make_model, convert_tiny, tmp_path):
+    """eval/llamacpp_speed.py: one row per (GGUF, cache type) with positive prefill, decode and re-decode speeds;
+    a missing file stops before any timing."""
+    from transmla_tool.engines.llamacpp_lm import bindings_installed
+    from transmla_tool.gguf_export import GGUFSettings, export_gguf
+    from transmla_tool.methods import PRESETS
+
+    if not bindings_installed():
+        pytest.skip("llama-cpp-python is not installed (make engines)")
+    out, _, _ = convert_tiny(make_model("llama", kv_heads=2), latent_dim=24, rope_dim=8,
+                             method=PRESETS["closed-form"], target="llamacpp")
+    gguf = tmp_path / "converted.gguf"
+    export_gguf(GGUFSettings(checkpoint=str(out), output=str(gguf), outtype="f32", tokenizer_pre="gpt-2"))
+    script = str(ROOT / "eval" / "llamacpp_speed.py")
+    run = subprocess.run([sys.executable, script, "--gguf", str(gguf), "--cache-types", "f16,f32", "--prompt", "40",
+                          "--decode", "3", "--suffix", "10", "--repeats", "2"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.strip("|").split("|") for line in run.stdout.splitlines() if line.startswith("| converted.gguf")]
+    assert [r[1].strip() for r in rows] == ["f16", "f32"]
+    assert all(float(cell) > 0 for r in rows for cell in r[2:])
+    missing = subprocess.run([sys.executable, script, "--gguf", str(tmp_path / "none.gguf")], capture_output=True,
+                             text=True, timeout=60)
+    assert missing.returncode != 0 and "is not a file" in missing.stderr
