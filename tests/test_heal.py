@@ -434,3 +434,37 @@ def test_an_output_the_chunked_loss_does_not_know_is_an_error(make_model):
     model.config.logits_scaling = 4.0
     with torch.no_grad(), pytest.raises(RuntimeError, match="--loss-chunk 0"):
         FinalHidden(model)(sample_ids(model.config.vocab_size, length=20))
+
+
+def test_training_attention_runs_on_the_flash_kernel_whose_memory_is_linear():
+    """MLA attention whose values are narrower than its keys (every conversion: dn + dr > dv) pads the values so that
+    PyTorch's flash kernel takes it: with only that kernel allowed it runs (the math path, an (L, L) map per head, is
+    what made healing at 8192 tokens need ~10 GB), and it equals the math path, gradients included."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from transmla_tool.ops.mla import MLAWeights, mla_attention
+    from transmla_tool.ops.rope import rotation_cos_sin
+
+    gen = torch.Generator().manual_seed(0)
+    heads, r, dr, dn, dv, d, length = 3, 24, 8, 16, 12, 32, 40
+    w = MLAWeights(q=torch.randn(heads * (dn + dr), d, generator=gen) / 4,
+                   kv_a=torch.randn(r + dr, d, generator=gen) / 4,
+                   kv_b=torch.randn(heads * (dn + dv), r, generator=gen) / 4,
+                   o=torch.randn(d, heads * dv, generator=gen) / 4,
+                   num_heads=heads, latent_dim=r, rope_dim=dr, nope_dim=dn, v_dim=dv)
+    cos, sin = (t.float() for t in rotation_cos_sin(10000.0 ** -(torch.arange(0, dr, 2) / dr), torch.arange(length)))
+    x = torch.randn(2, length, d, generator=gen)
+    results = []
+    for positions in (None, torch.arange(length)):  # the causal (padded, flash) path; the masked one, as reference
+        xi = x.clone().requires_grad_(True)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION] if positions is None else [SDPBackend.MATH]):
+            out = mla_attention(xi, w, cos, sin, query_positions=positions)
+            out.pow(2).sum().backward()
+        results.append((out.detach(), xi.grad))
+    (flash, flash_grad), (reference, reference_grad) = results
+    assert rel_err(flash, reference) < 1e-5 and rel_err(flash_grad, reference_grad) < 1e-4
+    # why the padding: this PyTorch's flash kernel refuses values narrower than the keys
+    q = torch.randn(1, 1, 4, dn + dr)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, q, torch.randn(1, 1, 4, dv), is_causal=True)

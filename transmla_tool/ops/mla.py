@@ -152,7 +152,15 @@ def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | No
     k_nope, v = kv.split([dn, dv], dim=-1)  # (B, H, L, dn), (B, H, L, dv)
     query = torch.cat([q_nope, q_rope], dim=-1)
     key = torch.cat([k_nope, k_rope], dim=-1)
-    out = F.scaled_dot_product_attention(query, key, v, attn_mask=mask, is_causal=causal, scale=w.softmax_scale)
+    if causal and dv < dn + dr:
+        # Values zero-padded to the key width: the output's first dv columns are unchanged, and PyTorch's flash
+        # kernels (they need one head width) replace the math path, whose (L, L) attention map per head is what
+        # training at length would otherwise hold (SmolLM2 at 8192: 2.4 GB per layer, times four in the backward)
+        padded = F.scaled_dot_product_attention(query, key, F.pad(v, (0, dn + dr - dv)), is_causal=True,
+                                                scale=w.softmax_scale)
+        out = padded[..., :dv]
+    else:
+        out = F.scaled_dot_product_attention(query, key, v, attn_mask=mask, is_causal=causal, scale=w.softmax_scale)
     return _linear(out.transpose(1, 2).reshape(bsz, n_q, heads * dv), w.o, w.o_bias)
 
 
