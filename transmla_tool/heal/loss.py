@@ -114,8 +114,8 @@ def window_nll(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
     if not chunk or ids.shape[1] <= chunk:
         logits = model(ids).logits[:, :-1].float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").double()
-    hidden = FinalHidden(model)(ids)[:, :-1]
-    head = output_layer(model)
+    reader = FinalHidden(model)
+    hidden, head = reader(ids)[:, :-1], reader.head
     nll = torch.zeros((), dtype=torch.float64, device=ids.device)
     for start in range(0, hidden.shape[1], chunk):
         logits = head(hidden[:, start:start + chunk]).float()

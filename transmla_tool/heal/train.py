@@ -36,7 +36,7 @@ from ..memory import reset_rss_peak, vm_hwm_mb
 from .checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import train_batches
 from .export import checkpoint_dtype, export
-from .loss import FinalHidden, chunked_distill_loss, distill_loss, output_layer, window_nll
+from .loss import FinalHidden, chunked_distill_loss, distill_loss, window_nll
 from .model import is_attention_param, to_natural
 from .settings import SETTINGS_FILE, HealSettings, check_cache_row, check_fingerprint, fingerprint
 
@@ -267,7 +267,7 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
                             target = teacher_hidden(inputs)
                     with accelerator.autocast():
                         loss, kd, lm = chunked_distill_loss(
-                            hidden, output_layer(student), target, None if teacher is None else output_layer(teacher),
+                            hidden, student_hidden.head, target, None if teacher_hidden is None else teacher_hidden.head,
                             labels, settings, chunk)
                 else:
                     logits = student(inputs).logits
@@ -325,10 +325,10 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
                "output_dtype": str(output_dtype).replace("torch.", ""),
                "checkpoint_dir_mb": round(_dir_mb(ckpt_dir), 1) if main else None,
                # positions whose logits were alive at once (None: whole windows), and the steps that checked it
-               "loss_chunk": chunk or None,
+               "loss_chunk": chunk or None, "loss_chunk_checks": student_hidden.checks if chunk else 0,
                # this process's peak memory over the training steps (MiB; RSS from the kernel, GPU from torch)
                "train_peak_rss_mb": None if train_peak_rss is None else round(train_peak_rss, 1),
-               "train_peak_gpu_mb": None if train_peak_gpu is None else round(train_peak_gpu, 1), "loss_chunk_checks": student_hidden.checks if chunk else 0}
+               "train_peak_gpu_mb": None if train_peak_gpu is None else round(train_peak_gpu, 1)}
     if main:
         export(natural, config, settings, tokenizer, summary, output_dtype)
     accelerator.wait_for_everyone()
