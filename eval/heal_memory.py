@@ -1,5 +1,7 @@
 """What healing at length costs: a few `heal` steps per window length and setting, each in its own process, with
-its peak memory (the process's, from the kernel, and the training loop's own) and its speed.
+its peak memory (loading the models and text, and the training loop's own, both from the kernel's VmHWM as heal's
+healing.json records them) and its speed. The child's rusage from wait4 is not used: heal resets the kernel's peak
+counter before its first step, and that resets ru_maxrss too.
 
 An arm is `NAME=LOSS_CHUNK[,gc]`: the positions whose logits the loss holds at once (0: whole windows, as before
 --loss-chunk existed) and `gc` for --gradient-checkpointing.
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -37,8 +38,8 @@ def parse_arm(spec: str) -> dict:
 
 
 def heal_in_child(args, arm: dict, length: int, out: Path) -> dict:
-    """`transmla-tool heal` for --steps steps of one window in its own process: its peak RSS (wait4's rusage of that
-    child alone), wall time and what its healing.json records."""
+    """`transmla-tool heal` for --steps steps of one window in its own process: its wall time and what its
+    healing.json records (the peaks of loading and of training)."""
     teacher_dir, teacher_file = args.teacher, args.teacher_gguf_file
     if teacher_dir is None:
         teacher_dir, teacher_file = smollm2_gguf()
@@ -51,27 +52,29 @@ def heal_in_child(args, arm: dict, length: int, out: Path) -> dict:
     if arm["gradient_checkpointing"]:
         argv.append("--gradient-checkpointing")
     start = time.time()
-    child = subprocess.Popen(argv)
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
-        raise SystemExit(f"heal_memory.py: {arm['name']} at {length} failed (exit {child.returncode}): "
-                         f"{' '.join(argv)}")
+    code = subprocess.run(argv).returncode
+    if code != 0:
+        raise SystemExit(f"heal_memory.py: {arm['name']} at {length} failed (exit {code}): {' '.join(argv)}")
     summary = json.loads((out / "healing.json").read_text())
-    return {"wall_seconds": round(time.time() - start, 1), "process_peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
-            "train_peak_rss_mb": summary.get("train_peak_rss_mb"), "train_peak_gpu_mb": summary.get("train_peak_gpu_mb"),
+    return {"wall_seconds": round(time.time() - start, 1), "setup_peak_rss_mb": summary.get("setup_peak_rss_mb"),
+            "train_peak_rss_mb": summary.get("train_peak_rss_mb"), "peak_rss_mb": summary.get("peak_rss_mb"),
+            "train_peak_gpu_mb": summary.get("train_peak_gpu_mb"),
             "tokens_per_s": summary.get("tokens_per_s"), "loss_chunk_used": summary.get("loss_chunk"),
             "loss_chunk_checks": summary.get("loss_chunk_checks")}
 
 
+def _mb(value) -> str:
+    return "not recorded" if value is None else f"{value:.0f}"  # rows of 2026-11-29 kept only the training peak
+
+
 def write_table(out: Path, rows: list[dict]) -> None:
     lines = ["# Healing at length: memory and speed per step (batch 1; this machine)", "",
-             "| arm | loss chunk | gradient checkpointing | window | training peak RSS (MiB) | process peak RSS (MiB) "
+             "| arm | loss chunk | gradient checkpointing | window | training peak RSS (MiB) | loading peak RSS (MiB) "
              "| tokens/s |", "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["arm"], r["length"])):
         speed = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
         lines.append(f"| {r['arm']} | {r['loss_chunk_used'] or 'whole'} | {'yes' if r['gradient_checkpointing'] else 'no'}"
-                     f" | {r['length']} | {r['train_peak_rss_mb']:.0f} | {r['process_peak_rss_mb']:.0f} | {speed} |")
+                     f" | {r['length']} | {r['train_peak_rss_mb']:.0f} | {_mb(r.get('setup_peak_rss_mb'))} | {speed} |")
     lines += ["", f"Model: {rows[0]['model']}; {rows[0]['steps']} steps per row (tokens/s is the steady state: the "
               "steps after the first).", ""]
     (out / "heal_memory.md").write_text("\n".join(lines))

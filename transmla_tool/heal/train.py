@@ -244,7 +244,11 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
         evaluate_perplexity(student, eval_windows, accelerator, chunk)
 
     student.train()
-    reset_rss_peak()  # the training loop's own peak: loading and the export are not what --seq-len changes
+    # the training loop's own peak: loading and the export are not what --seq-len changes. The reset also resets
+    # what the kernel reports for the whole process (VmHWM, and getrusage/wait4's ru_maxrss), so the peak of
+    # loading is read first and kept beside it
+    setup_peak_rss = vm_hwm_mb()
+    reset_rss_peak()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     bar = tqdm(total=total_steps, initial=state["step"], desc="healing", disable=not (settings.progress and main),
@@ -326,8 +330,12 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
                "checkpoint_dir_mb": round(_dir_mb(ckpt_dir), 1) if main else None,
                # positions whose logits were alive at once (None: whole windows), and the steps that checked it
                "loss_chunk": chunk or None, "loss_chunk_checks": student_hidden.checks if chunk else 0,
-               # this process's peak memory over the training steps (MiB; RSS from the kernel, GPU from torch)
+               # this process's peak memory (MiB; RSS from the kernel, GPU from torch): loading the models and the
+               # text, the training steps, and the larger of the two (the process's peak up to the export)
+               "setup_peak_rss_mb": None if setup_peak_rss is None else round(setup_peak_rss, 1),
                "train_peak_rss_mb": None if train_peak_rss is None else round(train_peak_rss, 1),
+               "peak_rss_mb": (None if train_peak_rss is None or setup_peak_rss is None
+                               else round(max(setup_peak_rss, train_peak_rss), 1)),
                "train_peak_gpu_mb": None if train_peak_gpu is None else round(train_peak_gpu, 1)}
     if main:
         export(natural, config, settings, tokenizer, summary, output_dtype)
