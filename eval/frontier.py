@@ -46,6 +46,7 @@ from transmla_tool.errors import UserError  # noqa: E402
 from transmla_tool.evaluate.frontier import (  # noqa: E402
     DEFAULT_CONVERTED_TYPES,
     DEFAULT_ORIGINAL_TYPES,
+    MAX_RATIO,
     Point,
     analytic_bytes,
     check_mla_sizes,
@@ -102,6 +103,8 @@ def main() -> None:
                         "(default: all; the table always has every row)")
     parser.add_argument("--max-cache-bytes", default="216,110",
                         help="comma-separated byte budgets the table recommends a configuration for")
+    parser.add_argument("--max-ratio", type=float, default=MAX_RATIO,
+                        help="the worst perplexity ratio a recommendation may name (default %(default)s)")
     args = parser.parse_args()
     try:
         original_types = parse_cache_types(args.original_cache_types, "--original-cache-types")
@@ -119,7 +122,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = out / "frontier.jsonl"
     if args.table_only:
-        write_tables(out, budgets_asked, _names(args.plot_configs))
+        write_tables(out, budgets_asked, _names(args.plot_configs), args.max_ratio)
         return
 
     from transmla_tool.engines.llamacpp import cache_flags, llama_cpp_version, perplexity, quantize
@@ -207,7 +210,7 @@ def main() -> None:
                 elif latent not in reused:  # what llama.cpp must be told at run time, for a later --gguf-from
                     model_file.with_name(f"{ckpt.name}.run-flags.json").write_text(json.dumps(exported["run_flags"]))
                 gc.collect()
-    write_tables(out, budgets_asked, _names(args.plot_configs))
+    write_tables(out, budgets_asked, _names(args.plot_configs), args.max_ratio)
 
 
 def reuse_ggufs(earlier: str | None, source: str, name: str, made: dict, ckpts: dict, gguf_dir: Path) -> dict:
@@ -326,7 +329,8 @@ def _names(text: str) -> list[str]:
     return [n.strip() for n in text.split(";") if n.strip()]
 
 
-def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | None = None) -> None:
+def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | None = None,
+                 max_ratio: float = MAX_RATIO) -> None:
     from benchmarks import benchmark_means
 
     rows = _read(out / "frontier.jsonl")
@@ -368,7 +372,7 @@ def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | No
                 f"{p.label} {p.cache} {in_domain[id(p)]:.3f}" for p in points if id(p) in in_domain)]
         lines += [""]
         for budget in max_bytes:
-            _, advice = recommend(points, budget)
+            _, advice = recommend(points, budget, max_ratio)
             lines += [f"- at most {budget:g} B/token/layer: {advice}"]
         lines += [""]
         shown = [p for p in points if p.kind == "original" or not plot_configs

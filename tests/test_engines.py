@@ -595,7 +595,7 @@ def test_sweep_in_llamacpp_recommends_from_measured_points(tmp_path):
                  "--calib-data", str(calib), "--calib-samples", "8", "--calib-seq-len", "256", "--data", str(heldout),
                  "--seq-len", "512", "--max-tokens", "2048", "--method", "closed-form", "--target", "llamacpp",
                  "--engine", "llamacpp", "--cache-types", "f16,q8_0,q4_0", "--max-cache-bytes", "230",
-                 "--device", "cpu", "--dtype", "float32", "--no-progress"]) == 0
+                 "--max-ratio", "1e9", "--device", "cpu", "--dtype", "float32", "--no-progress"]) == 0
     result = json.loads((out / "sweep.json").read_text())
     sizes = {key: {t: round(m["bytes"]) for t, m in types.items()} for key, types in result["cache_types"].items()}
     assert sizes == {"original": {"f16": 768, "q8_0": 408, "q4_0": 216},

@@ -49,6 +49,15 @@ def test_pareto_and_recommendation():
     assert best.label == "latent 128 + 64" and best.cache == "q4_0" and "no cache type gives the original" in advice
     best, advice = recommend(points, 50)
     assert best is None and "nothing measured fits" in advice
+    # the best that fits, past the quality bound, is named and not recommended; the fewest bytes within it are
+    best, advice = recommend(points, 110, max_ratio=1.2)
+    assert best is None and advice.startswith("nothing measured at <= 110 bytes per token per layer is within")
+    assert "the best that fits is latent 128 + 64 with a q4_0 cache (108 B/token/layer, ratio 1.300)" in advice
+    assert advice.endswith("the fewest bytes within it: latent 320 + 64 with a q4_0 cache (216 B/token/layer, "
+                           "ratio 1.050)")
+    assert recommend(points, 110, max_ratio=1.0)[1].endswith("within it: original with a f16 cache (768 B/token/layer, "
+                                                             "ratio 1.000)")
+    assert recommend(points[3:], 110, max_ratio=1.0)[1].endswith("no measured point is within it")
     table = markdown_table(points, 768)
     assert len(table) == 2 + len(points)
     assert "| original | q4_0 | 4.5 | 216 | 3.56 | 1.065 |  |" in table  # beaten at 216 by the 320 latent
@@ -102,6 +111,7 @@ def test_sweep_transformers_cache_types_recommend_from_measured_bytes(make_model
     (["--cache-types", "q4_0"], "'q4_0' is not one of transformers' caches"),
     (["--engine", "llamacpp"], "reads the original as a GGUF"),
     (["--max-cache-bytes", "0"], "--max-cache-bytes must be > 0"),
+    (["--max-cache-bytes", "100", "--max-ratio", "0.9"], "--max-ratio must be >= 1"),
 ])
 def test_sweep_engine_flags_checked_before_converting(make_model, text_file, tmp_path, capsys, flags, needle):
     src = make_model("llama", kv_heads=2)

@@ -82,7 +82,8 @@ def cmd_sweep(args) -> int:
         eval_batch_size=args.eval_batch_size, batch_size=args.batch_size, dtype=args.dtype, device=args.device,
         seed=args.seed, ignore_sliding_window=args.ignore_sliding_window, progress=not args.no_progress,
         target=args.target, biases=args.biases, engine=args.engine, cache_types=args.cache_types,
-        max_cache_bytes=args.max_cache_bytes, tasks=[t for t in args.tasks.split(",") if t], limit=args.limit,
+        max_cache_bytes=args.max_cache_bytes, **({} if args.max_ratio is None else {"max_ratio": args.max_ratio}),
+        tasks=[t for t in args.tasks.split(",") if t], limit=args.limit,
         task_data_source=args.task_data,
     )
     result = run_sweep(settings)

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cache-bytes", type=float, default=None,
                    help="recommend the best measured configuration at <= this many cache bytes per token per layer "
                    "(the original with a quantized cache included: it says so when not converting is better)")
+    p.add_argument("--max-ratio", type=float, default=None,
+                   help="... and only a point whose perplexity ratio to the original is at most this (default 1.5); "
+                   "past it the advice names the best that fits and the fewest bytes within the bound")
     p.add_argument("--tasks", default="",
                    help="also score every point on these lm-eval tasks (e.g. hellaswag,arc_easy,piqa; in the same engine "
                    "and cache types): the table gains their mean beside perplexity")

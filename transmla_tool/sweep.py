@@ -23,6 +23,7 @@ from .errors import UserError
 from .evaluate.cache import cache_tensors_bytes, cached_values_per_token_per_layer, prefill
 from .evaluate.frontier import (
     DEFAULT_ORIGINAL_TYPES,
+    MAX_RATIO,
     check_mla_sizes,
     markdown_table,
     parse_cache_types,
@@ -75,6 +76,7 @@ class SweepSettings:
     engine: str = "transformers"
     cache_types: str = ""
     max_cache_bytes: float | None = None  # recommend the best measured point at <= this many B/token/layer
+    max_ratio: float = MAX_RATIO  # ... only where its perplexity ratio is at most this
     # lm-eval tasks every point is also scored on (same engine and cache types): their mean beside perplexity
     tasks: list = field(default_factory=list)
     limit: float | None = None
@@ -157,6 +159,8 @@ def check_engine(settings: SweepSettings) -> list[str] | None:
         raise UserError(f"--engine must be transformers or llamacpp, got {settings.engine}")
     if settings.max_cache_bytes is not None and settings.max_cache_bytes <= 0:
         raise UserError(f"--max-cache-bytes must be > 0 bytes per token per layer, got {settings.max_cache_bytes}")
+    if not settings.max_ratio >= 1:
+        raise UserError(f"--max-ratio must be >= 1 (a perplexity ratio to the original), got {settings.max_ratio}")
     if settings.engine == "transformers":
         if not settings.cache_types:
             return None
@@ -222,8 +226,9 @@ def _evaluate(settings: SweepSettings, outputs: dict, summaries: dict, start: fl
         result["cache_types"] = cache_types
         result["engine"] = "llama.cpp" if settings.engine == "llamacpp" else "transformers"
     if settings.max_cache_bytes is not None:
-        best, advice = recommend(points_from_sweep(result), settings.max_cache_bytes)
-        result["recommendation"] = {"max_cache_bytes": settings.max_cache_bytes, "advice": advice,
+        best, advice = recommend(points_from_sweep(result), settings.max_cache_bytes, settings.max_ratio)
+        result["recommendation"] = {"max_cache_bytes": settings.max_cache_bytes, "max_ratio": settings.max_ratio,
+                                    "advice": advice,
                                     "point": best.as_dict() if best else None}
     return result
 

@@ -111,10 +111,22 @@ def pareto(points: list[Point]) -> list[Point]:
     return front
 
 
-def recommend(points: list[Point], max_bytes: float) -> tuple[Point | None, str]:
+# The worst perplexity ratio (to the original with an f16 cache) a recommendation may name: past it a point is the
+# best that fits and still not a model to serve (SmolLM2's 160 + 32 at 8192 tokens: 2.66), and the advice says so.
+MAX_RATIO = 1.5
+
+
+def recommend(points: list[Point], max_bytes: float, max_ratio: float = MAX_RATIO) -> tuple[Point | None, str]:
     """The measured point with the lowest perplexity ratio at <= max_bytes per token per layer, and what to tell the
-    user: the advice says it followed perplexity, and what the benchmark mean says where the points have one."""
+    user: the advice says it followed perplexity, and what the benchmark mean says where the points have one. A best
+    point above max_ratio is not recommended: the advice names it and the fewest bytes that stay within the bound."""
     best, advice = _recommend(points, max_bytes)
+    if best is not None and best.ratio > max_ratio:
+        within = [p for p in points if p.ratio <= max_ratio]
+        fallback = (f"the fewest bytes within it: {describe(min(within, key=lambda p: (p.bytes, p.ratio)))}"
+                    if within else "no measured point is within it")
+        return None, (f"nothing measured at <= {max_bytes:g} bytes per token per layer is within the quality bound "
+                      f"(perplexity ratio <= {max_ratio:g}): the best that fits is {describe(best)}; {fallback}")
     fits = [p for p in points if p.bytes <= max_bytes + 1e-9 and p.benchmark]
     if best is None:
         return best, advice
