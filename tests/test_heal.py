@@ -468,3 +468,17 @@ def test_training_attention_runs_on_the_flash_kernel_whose_memory_is_linear():
     q = torch.randn(1, 1, 4, dn + dr)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), pytest.raises(RuntimeError):
         F.scaled_dot_product_attention(q, q, torch.randn(1, 1, 4, dv), is_causal=True)
+
+
+def test_heal_line_says_which_speed_and_which_peak():
+    """heal's last line: a one-step run has no steady state and must not call its wall speed one; the peaks of loading
+    and of training are both printed (the kernel's counter is reset between them)."""
+    from transmla_tool.cli import heal_line
+
+    base = {"steps": 1, "tokens": 8192, "wall_tokens_per_s": 39.6, "output_dtype": "float32",
+            "setup_peak_rss_mb": 2100.4, "train_peak_rss_mb": 5699.0, "peak_rss_mb": 5699.0, "train_peak_gpu_mb": None}
+    line = heal_line({**base, "tokens_per_s": None}, "out")
+    assert "40 tokens/s wall (no steady state" in line and "steady state (wall" not in line
+    assert "peak RSS 2100 MB loading / 5699 MB training" in line and "GPU" not in line
+    line = heal_line({**base, "steps": 4, "tokens_per_s": 41.2, "train_peak_gpu_mb": 900.0}, "out")
+    assert "41 tokens/s steady state (wall 40)" in line and line.endswith("peak GPU 900 MB training -> out (float32)")

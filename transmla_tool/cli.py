@@ -108,10 +108,24 @@ def cmd_heal(args) -> int:
         eval_windows=args.eval_windows, checkpoint_dir=args.checkpoint_dir, resume=args.resume, seed=args.seed,
         overwrite=args.overwrite, progress=not args.no_progress,
     ))
-    speed = summary["tokens_per_s"] or summary["wall_tokens_per_s"]
-    print(f"healed {summary['steps']} steps, {summary['tokens']} tokens, {speed:.0f} tokens/s steady state "
-          f"(wall {summary['wall_tokens_per_s']:.0f}) -> {args.output} ({summary['output_dtype']})")
+    print(heal_line(summary, args.output))
     return 0
+
+
+def heal_line(summary: dict, output: str) -> str:
+    """heal's last line: tokens, speed (steady state only where there was one: a process's first step is set-up),
+    peak memory of loading and of training."""
+    steady = summary["tokens_per_s"]
+    speed = (f"{steady:.0f} tokens/s steady state (wall {summary['wall_tokens_per_s']:.0f})" if steady
+             else f"{summary['wall_tokens_per_s']:.0f} tokens/s wall (no steady state: one step in this process)")
+    memory = ""
+    if summary.get("peak_rss_mb") is not None:
+        memory = (f", peak RSS {summary['setup_peak_rss_mb']:.0f} MB loading / {summary['train_peak_rss_mb']:.0f} MB "
+                  "training")
+    if summary.get("train_peak_gpu_mb") is not None:
+        memory += f", peak GPU {summary['train_peak_gpu_mb']:.0f} MB training"
+    return (f"healed {summary['steps']} steps, {summary['tokens']} tokens, {speed}{memory} -> {output} "
+            f"({summary['output_dtype']})")
 
 
 def cmd_demo(args) -> int:
