@@ -451,3 +451,23 @@ def test_convert_prints_time_per_stage(make_model, text_file, tmp_path, capsys):
     assert sorted(names) == sorted(summary["stages"]) and {"statistics", "refine", "factorize", "verify"} <= set(names)
     seconds = [summary["stages"][name]["seconds"] for name in names]
     assert seconds == sorted(seconds, reverse=True)
+
+
+def test_stock_layer_check_runs_on_bounded_positions(make_model, convert_tiny, monkeypatch):
+    """The stock-attention check reads at most VERIFY_POSITIONS positions per window (its math-path (L, L) maps held
+    12 GB at 8192 for SmolLM2), with the rotary table cut to match: still exact."""
+    from transmla_tool import layer as layer_module
+
+    seen = []
+    real = layer_module.verify_stock_layer
+
+    def spy(tensors, mla, config, index, x, cos, sin):
+        seen.append((x.shape[1], cos.shape[0]))
+        return real(tensors, mla, config, index, x, cos, sin)
+
+    monkeypatch.setattr(layer_module, "VERIFY_POSITIONS", 24)
+    monkeypatch.setattr(layer_module, "verify_stock_layer", spy)
+    src = make_model("llama", kv_heads=2)
+    _, summary, _ = convert_tiny(src, latent_dim=24, rope_dim=8, calib_seq_len=64)
+    assert seen and all(x_len == 24 and table == 64 for x_len, table in seen)
+    assert max(layer["stock_vs_reference"] for layer in summary["layers"]) < 1e-5
