@@ -180,3 +180,15 @@ def test_sweep_rope_dims_checked_before_converting(make_model, text_file, tmp_pa
                  "--data", str(text_file), "--output-dir", str(tmp_path / "s"), "--rope-dim", rope])
     assert code == 2 and needle in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def test_max_ratio_help_states_the_default_recommend_uses():
+    """cli_args keeps torch out of start-up, so its --max-ratio help spells the default out: it must be MAX_RATIO."""
+    import argparse
+
+    from transmla_tool.cli import build_parser
+    from transmla_tool.evaluate.frontier import MAX_RATIO
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["sweep"]
+    action = next(a for a in sub._actions if "--max-ratio" in a.option_strings)
+    assert action.default is None and f"(default {MAX_RATIO:g})" in action.help
