@@ -29,14 +29,15 @@ def vllm_python() -> Path:
 
 def run_vllm(model: str | Path, *, greedy=None, new_tokens: int = 32, perplexity=None, contexts=None,
              decode_tokens: int = 16, dtype: str = "float32", max_model_len: int = 4096, env: dict | None = None,
-             timeout: int = 1800, kv_cache_dtype: str = "auto") -> dict:
+             timeout: int = 1800, kv_cache_dtype: str = "auto", attention_backend: str = "auto") -> dict:
     """Run vllm_runner.py on `model`; token id lists in, the runner's JSON result out."""
     with tempfile.TemporaryDirectory() as tmp:
         req, out = Path(tmp) / "req.json", Path(tmp) / "out.json"
         req.write_text(json.dumps({"greedy": greedy or [], "new_tokens": new_tokens, "perplexity": perplexity or [],
                                    "contexts": contexts or [], "decode_tokens": decode_tokens}))
         cmd = [str(vllm_python()), str(RUNNER), "--model", str(model), "--requests", str(req), "--out", str(out),
-               "--dtype", dtype, "--max-model-len", str(max_model_len), "--kv-cache-dtype", kv_cache_dtype]
+               "--dtype", dtype, "--max-model-len", str(max_model_len), "--kv-cache-dtype", kv_cache_dtype,
+               "--attention-backend", attention_backend]
         full_env = dict(os.environ, **(env or {}))
         run = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
         if run.returncode != 0 or not out.exists():

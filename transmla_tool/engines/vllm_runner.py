@@ -34,6 +34,21 @@ def kv_cache_bytes_per_token(llm) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
+def attention_backend(requested: str, dtype: str) -> str | None:
+    """The attention backend to ask vLLM for (None: vLLM's own choice). On a CPU with AMX tiles vLLM 0.32 picks its
+    AMX MLA backend for every MLA model, and that backend's weight packing takes bfloat16, float16, int8, fp8 or
+    4-bit weights only: an fp32 run dies while loading ("expect weight to be bfloat16, float16, ..."; measured on a
+    Sapphire Rapids-class CPU). fp32 runs there take the reference CPU MLA backend, which vLLM also ships."""
+    if requested != "auto":
+        return requested
+    import torch
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and dtype in ("float32", "float") and torch.cpu._is_amx_tile_supported():
+        return "CPU_MLA"  # a model without MLA ignores it (vLLM logs that it cannot use it and takes CPU_ATTN)
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -43,6 +58,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-cache-gb", type=int, default=2)
     parser.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, ...)")
+    parser.add_argument("--attention-backend", default="auto", help="vLLM's attention backend (auto: see "
+                        "attention_backend())")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gb))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: its caches are visible
@@ -53,10 +70,12 @@ def main() -> None:
 
     req = json.load(open(args.requests))
     start = time.time()
+    backend = attention_backend(args.attention_backend, args.dtype)
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True, seed=0,
-              enable_prefix_caching=False, max_num_seqs=8, kv_cache_dtype=args.kv_cache_dtype)
+              enable_prefix_caching=False, max_num_seqs=8, kv_cache_dtype=args.kv_cache_dtype,
+              **({"attention_config": {"backend": backend}} if backend else {}))
     result = {"vllm": vllm.__version__, "load_s": round(time.time() - start, 1),
-              "kv_cache": kv_cache_bytes_per_token(llm)}
+              "kv_cache": kv_cache_bytes_per_token(llm), "attention_backend": backend or "vLLM's choice"}
 
     if req.get("greedy"):
         params = SamplingParams(temperature=0.0, max_tokens=req.get("new_tokens", 32), ignore_eos=True)
