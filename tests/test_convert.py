@@ -343,7 +343,31 @@ def test_dropped_biases_without_refinement_refused(make_model, convert_tiny, tmp
     out, refined, _ = convert_tiny(src, latent_dim=24, rope_dim=8, target="llamacpp",
                                    method=dataclasses.replace(PRESETS["default"], refine_steps=5))
     assert json.loads((out / "config.json").read_text())["attention_bias"] is False
-    assert refined["warnings"] == [] and all("bias_fold" in layer for layer in refined["layers"])
+    assert all("heldout_spread" in layer["bias_fold"] for layer in refined["layers"])
+    # the first layer folds through one embedding channel replaced by a constant (ops/bias_fold.with_constant_channel):
+    # exactly constant there, so its fit is exact; every other channel of the embedding is the source's
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    channel = refined["constant_channel"]["channel"]
+    written = load_file(out / "model.safetensors")["model.embed_tokens.weight"]
+    source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).model.embed_tokens.weight.detach()
+    others = [i for i in range(written.shape[1]) if i != channel]
+    assert torch.equal(written[:, others], source[:, others]) and not torch.equal(written[:, channel],
+                                                                                  source[:, channel])
+    assert refined["layers"][0]["bias_fold"]["constant_mse"] < 1e-6 < refined["layers"][1]["bias_fold"]["constant_mse"]
+    # eight windows of 64 tokens fit the direction to the tokens it saw: the summary says so and names the fix
+    assert len(refined["warnings"]) == 1 and "--calib-samples, 8 windows now" in refined["warnings"][0]
+
+
+def test_fold_warning_names_the_loosest_layer():
+    from transmla_tool.convert import fold_warnings
+
+    reports = [{"layer": 0, "bias_fold": {"heldout_spread": 0.09}}, {"layer": 1, "bias_fold": {"heldout_spread": 0.04}},
+               {"layer": 2, "bias_fold": {"heldout_spread": 0.0004}}, {"layer": 3}]
+    (text,) = fold_warnings(reports, 128)
+    assert "+-0.30" in text and "at layer 0 (2 layers above 0.1)" in text and "128 windows now" in text
+    assert fold_warnings(reports[2:], 128) == []
 
 
 def test_target_llamacpp(make_model, convert_tiny):

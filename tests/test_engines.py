@@ -231,6 +231,46 @@ def test_eval_in_vllm(trained_model, text_file, tmp_path):
     assert "Measured in vLLM" in (tmp_path / "vllm" / "report.md").read_text()
 
 
+@pytest.fixture(scope="module")
+def qwen_bias_free(tmp_path_factory):
+    """The engines' output of the real Qwen2.5: bias-free (its q/k/v biases folded, ops/bias_fold.py), 256 + 64 = 320
+    of its 512 values, zero-padded to 512 + 64 (exact) so that vLLM's CPU MLA backend (576 only) takes it. A few
+    refinement steps on 4096 tokens (more than its 1536 hidden channels, so that the constant direction the biases
+    are folded through is not fitted to the calibration tokens alone): this checks that the engines compute what
+    transformers computes on the checkpoint, not how good the conversion is (docs/qwen.md has that)."""
+    import dataclasses
+
+    from transmla_tool.assets import domain_documents
+    from transmla_tool.registry import model_gguf
+
+    try:
+        directory, name = model_gguf("qwen2.5-coder-1.5b")
+    except UserError as exc:  # `make test` fetches it (make models); a bare pytest run may not have
+        pytest.skip(str(exc))
+    root = tmp_path_factory.mktemp("qwen-engines")
+    calib, heldout = root / "code.txt", root / "docs.txt"
+    calib.write_text("\n\n".join(domain_documents("code")[:120]))
+    heldout.write_text("\n\n".join(domain_documents("docs")[-60:]))
+    out = root / "qwen-mla-320-padded-576"
+    convert(ConvertSettings(
+        model=directory, gguf_file=name, output=str(out), latent_dim=256, rope_dim=64, calib_data=str(calib),
+        calib_samples=16, calib_seq_len=256, dtype="float32", device="cpu", progress=False, target="vllm",
+        pad_latent_to=512, method=dataclasses.replace(PRESETS["default"], refine_steps=4, refine_windows=4)))
+    return out, heldout
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_bias_free_qwen(qwen_bias_free):
+    """vLLM's own DeepSeek MLA path (CPU build) on the bias-free Qwen2.5 output: transformers' greedy tokens and
+    perplexity, and a cache of one latent + rotary key per token per layer."""
+    _vllm_or_skip()
+    out, heldout = qwen_bias_free
+    prompts, windows = _prompts_and_windows(out, heldout, 256, count=2)
+    kv = _check_vllm(out, prompts, windows, env={}, max_model_len=512)["kv_cache"]
+    if "error" not in kv:
+        assert kv["bytes_per_token_per_layer"] == pytest.approx(576 * 4, rel=0.01), kv
+
+
 # --- llama.cpp -------------------------------------------------------------------------------------
 
 def _llamacpp_or_skip():
@@ -643,3 +683,17 @@ def test_eval_tasks_in_llamacpp_under_each_cache(tmp_path, monkeypatch):
         cell = report["lm_eval_by_cache"][entry]["arc_easy"]["acc"]
         assert 0 <= cell["original"] <= 1 and cell["paired"]
     assert "Under the q4_0 cache (llama.cpp)" in (tmp_path / "report" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_llamacpp_serves_the_bias_free_qwen(qwen_bias_free, tmp_path):
+    """llama.cpp's deepseek2 on the same checkpoint exported as an f32 GGUF: transformers' perplexity and greedy
+    text."""
+    from transmla_tool.gguf_export import GGUFSettings, export_gguf
+
+    _llamacpp_or_skip()
+    out, heldout = qwen_bias_free
+    gguf = tmp_path / "qwen-mla-f32.gguf"
+    export_gguf(GGUFSettings(checkpoint=str(out), output=str(gguf)))
+    engine = _check_llamacpp(out, gguf, heldout, 256, 2, "def fibonacci(n):")
+    assert engine["kv_bytes_per_token_per_layer"] == pytest.approx(576 * 2, abs=2)  # f16 cache of latent + rope

@@ -135,7 +135,8 @@ def test_rerun_commands_remake_the_recorded_method():
     older = {k: v for k, v in resolve_method("closed-form", ["latent_basis=pca", "rope_key_balance=none"]).as_dict()
              .items() if k not in BEFORE_SETTING}  # recorded before latent_basis and rope_key_balance existed
     sets = remaking("closed-form", [], older)
-    assert sorted(sets) == ["bias_fold=none", "latent_basis=pca", "rope_key_balance=none"]
+    assert sorted(sets) == ["bias_fold=none", "constant_channel=none", "latent_basis=pca", "rope_bias_fold=all",
+                            "rope_key_balance=none"]
     assert resolve_method("closed-form", sets).as_dict() == {**BEFORE_SETTING, **older}
     recorded = resolve_method("default", ["refine_steps=200", "latent_basis=hadamard"]).as_dict()
     recorded["rope_key_balance"] = "none"  # made when that was the default
@@ -691,3 +692,12 @@ def test_llamacpp_speed_times_each_file_and_cache(make_model, convert_tiny, tmp_
     missing = subprocess.run([sys.executable, script, "--gguf", str(tmp_path / "none.gguf")], capture_output=True,
                              text=True, timeout=60)
     assert missing.returncode != 0 and "is not a file" in missing.stderr
+
+
+def test_bias_fold_benchmark_refuses_an_unknown_variant_and_reads_layer_sets(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "eval" / "bias_fold.py"), "--output-dir", str(tmp_path),
+                          "--variants", "joint-rotating,joint-everything"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "unknown variants ['joint-everything']" in run.stderr
+    assert not list(tmp_path.iterdir())  # before any work
+    layer_set = _eval_module("bias_fold")._layer_set
+    assert layer_set("0-1,5") == {0, 1, 5} and layer_set("") is None

@@ -273,6 +273,126 @@ def test_bias_fold_is_exact_where_the_input_has_a_constant_direction():
     assert worse.constant_mse > 1e-3
 
 
+def test_value_bias_in_the_joint_latent_folds_exactly_where_the_input_has_a_constant_direction():
+    """factorize(value_bias="latent") hands the value bias to the joint latent (the affine map [W_v | b_v] under the
+    augmented moment): with a constant input channel and the latent at full rank, the bias-free folded layer equals
+    the biased source layer; at a lower rank the latent carries the value bias better than fitting it into the span
+    chosen without it (value_bias="output", then fold_biases' least squares)."""
+    from transmla_tool.ops.bias_fold import fold_biases
+
+    layer = _random_layer(kv_heads=1, bias=True)
+    layer = replace(layer, o_bias=None, v_bias=layer.v_bias * 20)  # a value bias that carries the layer (Qwen2.5)
+    x = torch.randn(3, 12, 32, dtype=torch.float64)
+    x[..., 5] = 0.8
+    inv = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    cos, sin = rotation_cos_sin(inv, torch.arange(12))
+    plan = plan_rope(affine_moment(layer.k, layer.k_bias, _moment(x)), fold_pools(8, 8), 1, 8)
+    source = gqa_attention(x, layer, cos, sin)
+
+    def error(value_bias, rank):
+        mla, _ = factorize(layer, _moment(x), plan, rope_dim=8, latent_dim=rank, value_bias=value_bias)
+        assert (mla.o_bias is None) == (value_bias == "latent")
+        folded, _ = fold_biases(mla, _moment(x), ridge=1e-12)
+        assert folded.q_bias is None and folded.kv_a_bias is None and folded.o_bias is None
+        return float((mla_attention(x, folded, cos, sin) - source).norm() / source.norm())
+
+    assert error("latent", 8) < 1e-6
+    assert error("latent", 2) < 0.5 * error("output", 2)
+    with pytest.raises(ValueError, match="value_bias"):
+        factorize(layer, _moment(x), plan, rope_dim=8, latent_dim=2, value_bias="o_proj")
+
+
+def test_heldout_spread_scores_the_constant_direction_off_the_windows_it_was_fitted_on():
+    """LayerStats(split=True) keeps the even and odd windows' moments whatever the chunking; heldout_spread fits u on
+    each half and scores it on the other: with few tokens for the width the fit's own E[(u.x - 1)^2] is near 0 and
+    says nothing, the held-out one shows the direction does not hold; with many tokens the two agree."""
+    from transmla_tool.ops.bias_fold import constant_direction, heldout_spread
+    from transmla_tool.ops.stats import LayerStats
+
+    torch.manual_seed(0)
+    d = 16
+    for windows, length, tol in ((6, 2, None), (64, 64, 0.5)):
+        x = torch.randn(windows, length, d, dtype=torch.float64) + 0.5
+        x[..., 0] = 1.0 + 0.2 * torch.randn(windows, length, dtype=torch.float64)  # nearly constant channel
+        stats = LayerStats.empty(d, 1, length, split=True)
+        for rows in (slice(0, 1), slice(1, 4), slice(4, windows)):  # odd-sized chunks: parity must carry over
+            stats.add(x[rows].float())
+        stats = stats.finalize()
+        assert torch.allclose(stats.halves[0], _moment(x[0::2].float().double()), atol=1e-5)
+        assert torch.allclose(stats.halves[1], _moment(x[1::2].float().double()), atol=1e-5)
+        _, fitted = constant_direction(stats.raw_moment, ridge=1e-8)
+        held = heldout_spread(stats.halves, ridge=1e-8)
+        print(f"{windows * length} tokens of width {d}: fit {fitted:.4f}, held out {held:.4f}")
+        if tol is None:
+            assert fitted < 1e-3 and held > 0.01
+        else:
+            assert abs(held / fitted - 1) < tol
+    assert LayerStats.empty(d, 1, 4).finalize().halves is None
+
+
+def test_constant_channel_makes_the_normalized_embedding_read_one_value():
+    """with_constant_channel: the least-used embedding channel is replaced so that RMSNorm (with its eps) reads the
+    same value on it for every token, and the other channels of every normalized row barely move."""
+    from transmla_tool.ops.bias_fold import with_constant_channel
+
+    torch.manual_seed(0)
+    embed = torch.randn(500, 24) * torch.linspace(0.5, 2.0, 24)
+    embed[:, 7] *= 0.1  # the quietest channel
+    eps = 1e-5
+    out, chosen = with_constant_channel(embed, eps, rows=64)  # in row blocks: the same as at once
+    assert chosen.channel == 7 and 0 < chosen.value < 0.2
+    assert torch.equal(out[:, :7], embed[:, :7]) and torch.equal(out[:, 8:], embed[:, 8:])
+
+    def norm(e):
+        return e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + eps)
+
+    read = norm(out.double())[:, 7]
+    assert torch.allclose(read, torch.full_like(read, chosen.value), rtol=1e-6)
+    moved = (norm(out.double()) - norm(embed.double()))[:, [i for i in range(24) if i != 7]]
+    assert float(moved.abs().max()) < 0.01
+
+
+def test_rotary_key_bias_folded_as_far_as_it_rotates():
+    """ops/bias_fold.rope_bias_share: the bias of a rotary slot that does not turn over the distances attention reads
+    only adds a logit the softmax drops, so it is not folded (share ~0), while a slot that turns is (share ~1). On a
+    layer whose slow slot carries a large bias and whose input is only nearly constant along u, folding by share is
+    far closer to the biased layer than folding it all (the spread of u.x multiplies the whole bias logit)."""
+    from transmla_tool.ops.bias_fold import constant_direction, fold_biases, rope_bias_share
+    from transmla_tool.ops.mla import MLAWeights
+
+    length = 16
+    mass = torch.zeros(3, length, dtype=torch.float64)
+    mass[:, :8] = 1.0  # attention reads distances 0..7
+    inv = torch.tensor([1.0, 1e-6], dtype=torch.float64)  # a fast slot and one that turns 1e-5 rad in 8 tokens
+    share = rope_bias_share(inv, mass, spread=1e-3)
+    assert share.shape == (4,) and share[0] == share[1] and share[2] == share[3]
+    assert share[0] > 0.99 and share[2] < 1e-3
+    assert torch.equal(rope_bias_share(inv, mass, spread=0.0), torch.ones(4, dtype=torch.float64))
+
+    torch.manual_seed(0)
+    d, heads, dn, dr, dv, r = 24, 2, 8, 4, 8, 12
+    x = torch.randn(2, length, d, dtype=torch.float64)
+    x[..., 0] = 0.7 + 0.05 * torch.randn(2, length, dtype=torch.float64)  # nearly constant, as real inputs are
+    w = MLAWeights(q=torch.randn(heads * (dn + dr), d, dtype=torch.float64) * 0.3,
+                   kv_a=torch.randn(r + dr, d, dtype=torch.float64) * 0.3,
+                   kv_b=torch.randn(heads * (dn + dv), r, dtype=torch.float64) * 0.3,
+                   o=torch.randn(d, heads * dv, dtype=torch.float64), num_heads=heads, latent_dim=r, rope_dim=dr,
+                   nope_dim=dn, v_dim=dv,
+                   kv_a_bias=torch.cat([torch.zeros(r + 2, dtype=torch.float64),
+                                        torch.tensor([30.0, -20.0], dtype=torch.float64)]))  # the slow slot's bias
+    cos, sin = rotation_cos_sin(inv, torch.arange(length))
+    moment = _moment(x)
+    reference = mla_attention(x, w, cos, sin)
+    _, spread = constant_direction(moment)
+    errors = {}
+    for name, share_fn in (("all", None), ("rotating", lambda v: rope_bias_share(inv, mass, v))):
+        folded, report = fold_biases(w, moment, rope_share=share_fn)
+        errors[name] = float((mla_attention(x, folded, cos, sin) - reference).norm() / reference.norm())
+        assert (report.rope_bias_folded < 0.01) == (name == "rotating")
+    print("relative error of the folded layer:", errors, "spread", spread)
+    assert errors["rotating"] < 0.2 * errors["all"] and errors["rotating"] < 0.05
+
+
 def test_attention_distance_mass_in_query_blocks_equals_the_full_map(monkeypatch):
     """The distance statistics computed a block of queries at a time (bounded memory at 8192 tokens) equal the sums
     over the diagonals of the whole attention map."""

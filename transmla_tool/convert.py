@@ -6,7 +6,7 @@ import contextlib
 import json
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from .layer import LayerContext, calibrate_layer, convert_layer
 from .memory import Stages
 from .methods import PRESETS, Method
 from .model_card import write_model_card
+from .ops.bias_fold import SPREAD_WARNING, with_constant_channel
 from .ops.kv_quant import BLOCK, mla_cache_problem
 from .ops.mla import mla_attention
 from .summary import conversion_summary
@@ -133,6 +134,7 @@ class _Target:
     stream: torch.Tensor | None = None
     reports: list = field(default_factory=list)
     rope_slot_max_log_error: float = 0.0
+    constant_channel: dict | None = None  # the embedding channel the first layer's biases fold through, if any
 
 
 def convert(settings: ConvertSettings, on_layer=None) -> dict:
@@ -228,6 +230,7 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
             t.writer = ShardedWriter(t.staging, planned_state_dict(t.config, out_dtype), settings.max_shard_size)
         _convert_weights(settings, source, geometry, targets, ids, device, resumed, on_layer, stage,
                          source_fingerprint)
+        warnings += fold_warnings(targets[0].reports, ids.shape[0])
         generation_config = source.load_generation_config()
         for t in targets:
             t.config.save_pretrained(t.staging)
@@ -242,6 +245,23 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
         for t in targets:
             (t.staging / COMPLETE_MARK).touch()
     return summaries
+
+
+def fold_warnings(reports: list[dict], windows: int) -> list[str]:
+    """Warnings (printed and kept in conversion.json) where the direction a layer's biases are folded through reads
+    1 only loosely on calibration windows it was not fitted on (ops/bias_fold.heldout_spread)."""
+    spreads = {r["layer"]: r["bias_fold"]["heldout_spread"] ** 0.5 for r in reports
+               if "heldout_spread" in r.get("bias_fold", {})}
+    loose = {i: s for i, s in spreads.items() if s > SPREAD_WARNING}
+    if not loose:
+        return []
+    worst = max(loose, key=loose.get)
+    text = (f"attention biases folded through a direction that reads 1 only to +-{loose[worst]:.2f} (root mean square) "
+            f"on calibration windows it was not fitted on, at layer {worst} ({len(loose)} layers above "
+            f"{SPREAD_WARNING}): the bias-free output loses part of what the biases carry. Calibrate on more text "
+            f"(--calib-samples, {windows} windows now) or keep the biases (--biases keep --target transformers)")
+    print(f"warning: {text}", file=sys.stderr)
+    return [text]
 
 
 def calibration_windows(settings: ConvertSettings, tokenizer) -> torch.Tensor:
@@ -276,8 +296,16 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
     layers = SourceLayers(source, geometry, device)
     first = 0
     scale = residual_scale(geometry.rms_norm_eps)  # 1 for a source trained with the stock eps (1e-6)
+    # a bias-free output of a biased source: the first layer reads a constant embedding channel (ops/bias_fold.py)
+    biased = geometry.q_bias or geometry.k_bias or geometry.v_bias or geometry.o_bias
+    channel = (biased and not targets[0].config.attention_bias and method.bias_fold != "none"
+               and method.constant_channel == "embedding")
     if resumed is None:
         embed = source.get(EMBED, dtype=None)  # as stored: a 128K-vocabulary fp32 copy would be 2 GB more
+        if channel:
+            embed, chosen = with_constant_channel(embed, geometry.rms_norm_eps)
+            for t in targets:
+                t.constant_channel = asdict(chosen)
         for t in targets:
             t.writer.add_part("embed", {EMBED: embed * scale if scale != 1.0 else embed})
         hidden = embed[ids].float().to(device)  # (N, L, d) fp32: the calibration windows' residual stream
@@ -291,6 +319,7 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
         hidden = torch.load(root / "hidden.pt").to(device)
         for t in targets:
             t.reports = resumed["reports"][str(t.latent_dim)]
+            t.constant_channel = resumed.get("constant_channel")
             if method.calib_inputs == "converted":
                 t.stream = torch.load(root / f"stream-{t.latent_dim}.pt").to(device)
         print(f"resuming {settings.output or 'the conversion'} at layer {first} of {geometry.num_layers}")

@@ -20,7 +20,7 @@ from .calibrate import SourceLayers, chunks
 from .export import stock_attention
 from .methods import Method
 from .ops.basis import for_quantized_cache
-from .ops.bias_fold import fold_biases
+from .ops.bias_fold import fold_biases, heldout_spread, rope_bias_share
 from .ops.decouple import RopePlan, fold_pools, match_pools, plan_rope
 from .ops.factorize import factorize
 from .ops.kv_quant import cache_row_store
@@ -101,18 +101,28 @@ def convert_layer(layer, attn: GQAWeights, inputs: torch.Tensor, calib: LayerCal
     to `self_attn.`, fp64), the natural-form weights and the layer's report."""
     stage = stage or (lambda name: nullcontext())
     method, device = ctx.method, inputs.device
+    # A bias-free output of a biased source (ops/bias_fold.py): "joint" gives the value bias to the joint latent,
+    # "constant" folds it after the latent is chosen; rope_bias_fold says how much of the rotary key's bias is folded
+    fold = method.bias_fold if not config.attention_bias else "none"
     with stage("factorize"):  # fp64 on the conversion device: a GPU does it in a fraction of the time
         mla, fact = factorize(
             attn.to(torch.float64, device), calib.stats.x_moment.to(device), _plan_to(calib.plan, device),
             ctx.rope_dim, latent_dim, nope_rotation=_rotation_to(calib.rotation, device),
             latent_weighting=method.latent_weighting, kv_balance=method.kv_balance,
+            value_bias="latent" if fold == "joint" else "output",
         )
         mla = mla.to(torch.float64, "cpu")
         folded = None
-        if not config.attention_bias:  # a bias-free output: folded (ops/bias_fold.py) or dropped; refinement fits
+        if not config.attention_bias:  # a bias-free output: folded or dropped; refinement fits
             has_bias = any(b is not None for b in (mla.q_bias, mla.kv_a_bias, mla.o_bias))
-            if has_bias and method.bias_fold == "constant":
-                mla, folded = fold_biases(mla, calib.stats.raw_moment.cpu())
+            if has_bias and fold != "none":
+                share = None
+                if method.rope_bias_fold == "rotating":
+                    slot_freq = ctx.log_freqs[0].exp()
+                    share = lambda spread: rope_bias_share(slot_freq, calib.stats.distance_mass.cpu(), spread)
+                halves = calib.stats.halves
+                spread = None if halves is None else heldout_spread(tuple(h.cpu() for h in halves))
+                mla, folded = fold_biases(mla, calib.stats.raw_moment.cpu(), rope_share=share, spread=spread)
             mla = replace(mla, q_bias=None, kv_a_bias=None, o_bias=None)
     # Exact changes of basis that only change how the cache quantizes (ops/basis.py), on the energies the cache
     # will hold (the measured moment, not the shrunk one the factorization trusts). They come after the fit, so
@@ -129,7 +139,10 @@ def convert_layer(layer, attn: GQAWeights, inputs: torch.Tensor, calib: LayerCal
     report = {"layer": index, "kept_energy": round(fact.kept_energy, 6), "kv_balance": round(fact.kv_balance, 6)}
     if folded is not None:
         report["bias_fold"] = {"constant_mse": round(folded.constant_mse, 6),
-                               "value_residual": round(folded.value_residual, 6)}
+                               "value_residual": round(folded.value_residual, 6),
+                               "rope_bias_folded": round(folded.rope_bias_folded, 6)}
+        if folded.heldout_spread is not None:
+            report["bias_fold"]["heldout_spread"] = round(folded.heldout_spread, 6)
     if method.refines:
         windows = calib.x_refine.shape[0]
         with stage("refine"):
@@ -220,7 +233,10 @@ def _cpu(t):
 
 
 def _layer_stats(layer, attn, inputs, cos, sin, batch, method: Method) -> LayerStats:
-    stats = LayerStats.empty(attn.q.shape[1], attn.num_heads, inputs.shape[1], device=inputs.device)
+    biased = any(b is not None for b in (attn.q_bias, attn.k_bias, attn.v_bias, attn.o_bias))
+    # a biased source: the halves' moments tell how well the direction its biases are folded through holds off the
+    # windows it was fitted on (ops/bias_fold.heldout_spread)
+    stats = LayerStats.empty(attn.q.shape[1], attn.num_heads, inputs.shape[1], device=inputs.device, split=biased)
     with torch.no_grad():
         for rows in chunks(inputs.shape[0], batch):
             stats.add(layer.input_layernorm(inputs[rows]))

@@ -44,6 +44,8 @@ def conversion_summary(settings, geometry, target, ids, out_dtype, warnings: lis
         # 0 when every rotary slot turns at its source frequency; > 0 for a scaled rope mapped onto
         # DeepSeek YaRN (--target vllm): the largest |log(frequency ratio)| over the slots
         "rope_slot_max_log_error": round(target.rope_slot_max_log_error, 6),
+        # the embedding channel a bias-free output's first layer folds its biases through (ops/bias_fold.py)
+        "constant_channel": target.constant_channel,
         "layers": target.reports,
         "wall_time_s": round(time.time() - start, 1),
         # the stages reset the kernel's peak RSS counter: the overall peak is the max over them

@@ -91,7 +91,8 @@ def save_resume(settings, targets, ids, hidden, next_layer: int, source_fingerpr
         if t.stream is not None:
             save(t.stream.cpu(), f"stream-{t.latent_dim}.pt")
     state = {"key": resume_key(settings, targets, source_fingerprint), "next_layer": next_layer,
-             "reports": {str(t.latent_dim): t.reports for t in targets}}
+             "reports": {str(t.latent_dim): t.reports for t in targets},
+             "constant_channel": targets[0].constant_channel}
     tmp = root / "state.json.tmp"
     tmp.write_text(json.dumps(state))
     os.replace(tmp, root / "state.json")

@@ -10,7 +10,9 @@ Exact rewrites used here (no approximation):
 - the bias of the RoPE-free key adds q.b to every score of a query: a constant softmax ignores, so
   it is dropped;
 - the value bias passes through softmax (weights sum to 1) and o_proj unchanged: it becomes part of
-  the o_proj bias.
+  the o_proj bias (value_bias="output"), or, for an output without biases, the joint latent treats the
+  value map as the affine [W_v | b_v] under the augmented moment, so the latent spends its directions on the
+  bias as on any signal and carries it as a latent bias (value_bias="latent"; ops/bias_fold.py folds it).
 Approximations: the residual key components lose RoPE (replaced by the expected rotation when
 `nope_rotation` is given), neighbouring frequencies folded into one slot share its frequency, and
 the latent keeps `latent_dim` directions.
@@ -28,6 +30,7 @@ from .mla import GQAWeights, MLAWeights, head_blocks, softmax_fold
 
 LATENT_WEIGHTINGS = ("attention", "plain")
 KV_BALANCES = ("output", "norm")
+VALUE_BIASES = ("output", "latent")
 
 
 @dataclass
@@ -98,7 +101,10 @@ def _factorize(
     nope_rotation=None,
     latent_weighting: str = "attention",
     kv_balance: str = "output",
+    value_bias: str = "output",
 ) -> tuple[MLAWeights, FactorizeReport]:
+    if value_bias not in VALUE_BIASES:
+        raise ValueError(f"value_bias must be one of {VALUE_BIASES}")
     if latent_weighting not in LATENT_WEIGHTINGS:
         raise ValueError(f"latent_weighting must be one of {LATENT_WEIGHTINGS}")
     if kv_balance not in KV_BALANCES:
@@ -173,12 +179,20 @@ def _factorize(
         weight[k_rows, k_rows], weight_inv[k_rows, k_rows] = balance * kr, kr_inv / balance
         weight[v_rows, v_rows], weight_inv[v_rows, v_rows] = vr, vr_inv
 
-    weighted = weight @ stacked  # (2GD, d)
-    moment = weighted @ second @ weighted.T
+    in_latent = value_bias == "latent" and attn.v_bias is not None
+    if in_latent:  # [W | b] under the augmented moment; the RoPE-free key's bias stays 0 (the softmax drops it)
+        column = torch.cat([torch.zeros(kv_heads * dim, dtype=torch.float64), attn.v_bias])
+        weighted = weight @ torch.cat([stacked, column[:, None]], dim=1)  # (2GD, d+1)
+        moment = weighted @ x_moment @ weighted.T
+    else:
+        weighted = weight @ stacked  # (2GD, d)
+        moment = weighted @ second @ weighted.T
     vals, basis = top_eigvecs(moment, latent_dim)  # (2GD, r)
     total = torch.linalg.eigvalsh(0.5 * (moment + moment.T)).clamp_min(0).sum()
     kept = float(vals.clamp_min(0).sum() / total.clamp_min(1e-300))
-    latent_rows = basis.T @ weighted  # (r, d)
+    latent_rows = basis.T @ weighted  # (r, d), or (r, d+1) with the latent's bias last
+    latent_bias = latent_rows[:, hidden] if in_latent else torch.zeros(latent_dim, dtype=torch.float64)
+    latent_rows = latent_rows[:, :hidden]
     recon = weight_inv @ basis  # (2GD, r)
 
     key_recon = recon[: kv_heads * dim].view(kv_heads, dim, latent_dim)
@@ -187,14 +201,15 @@ def _factorize(
     kv_b = torch.cat([key_recon[group], value_recon[group]], dim=1).reshape(-1, latent_dim)
 
     o_bias = attn.o_bias.clone() if attn.o_bias is not None else None
-    if attn.v_bias is not None:
+    if attn.v_bias is not None and not in_latent:
         v_bias_heads = attn.v_bias.view(kv_heads, dim)[group].reshape(-1)  # (H*D)
         folded = attn.o @ v_bias_heads
         o_bias = folded if o_bias is None else o_bias + folded
 
     kv_a_bias = None
-    if rope_bias is not None:
-        kv_a_bias = torch.cat([torch.zeros(latent_dim, dtype=torch.float64), rope_bias])
+    if rope_bias is not None or in_latent:
+        kv_a_bias = torch.cat([latent_bias, rope_bias if rope_bias is not None else
+                               torch.zeros(rope_dim, dtype=torch.float64)])
     q_b = None
     if attn.q_a is not None:  # one RMSNorm over the whole query kept: q_b maps its output head by head
         q_b = torch.einsum("hnd,hdk->hnk", transform, attn.q_a_out.view(heads, dim, -1))

@@ -20,26 +20,52 @@ class LayerStats:
     # the moment as measured, before any shrinkage (x_moment is what the factorization trusts): the energy the
     # cache will really hold is computed from this one
     raw_moment: torch.Tensor | None = None
+    # with split=True: the raw moments of the even and of the odd windows, for what is fitted on some windows to be
+    # scored on others (ops/bias_fold.heldout_spread); accumulated as the even windows' sum until finalize
+    halves: tuple[torch.Tensor, torch.Tensor] | None = None
+    even_tokens: int = 0
+    windows: int = 0
 
     @classmethod
-    def empty(cls, hidden: int, heads: int, seq_len: int, device=None) -> "LayerStats":
+    def empty(cls, hidden: int, heads: int, seq_len: int, device=None, split: bool = False) -> "LayerStats":
+        zeros = lambda: torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64, device=device)  # noqa: E731
         return cls(
-            x_moment=torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64, device=device),
+            x_moment=zeros(),
             distance_mass=torch.zeros(heads, seq_len, dtype=torch.float64, device=device),
+            halves=(zeros(), None) if split else None,
         )
 
     def add(self, x: torch.Tensor) -> None:
         """Accumulate the input moment of x: (B, L, d) attention inputs of one chunk."""
-        flat = x.reshape(-1, x.shape[-1])
-        aug = torch.cat([flat, flat.new_ones(flat.shape[0], 1)], dim=1)
-        # fp32 products per chunk, fp64 accumulation across chunks
-        self.x_moment += (aug.T.float() @ aug.float()).double()
-        self.tokens += flat.shape[0]
+        for rows, moment in self._parts(x):
+            flat = rows.reshape(-1, rows.shape[-1])
+            aug = torch.cat([flat, flat.new_ones(flat.shape[0], 1)], dim=1)
+            # fp32 products per chunk, fp64 accumulation across chunks
+            part = (aug.T.float() @ aug.float()).double()
+            self.x_moment += part
+            if moment is not None:
+                moment += part
+                self.even_tokens += flat.shape[0]
+        self.tokens += x.shape[0] * x.shape[1]
+        self.windows += x.shape[0]
+
+    def _parts(self, x: torch.Tensor):
+        if self.halves is None:
+            return [(x, None)]
+        first = self.windows % 2  # the chunk's first window that is even in the whole sequence of windows
+        even = x[first::2]
+        odd = x[1 - first::2]
+        return [(even, self.halves[0]), (odd, None)] if even.shape[0] else [(odd, None)]
 
     def finalize(self, shrinkage: float = 0.0, target: str = "diag") -> "LayerStats":
         raw = self.x_moment / max(self.tokens, 1)
         moment = shrink_moment(raw, shrinkage, target) if shrinkage else raw
-        return LayerStats(moment, self.distance_mass, self.tokens, raw_moment=raw)
+        halves = None
+        odd_tokens = self.tokens - self.even_tokens
+        if self.halves is not None and self.even_tokens and odd_tokens:
+            even = self.halves[0]
+            halves = (even / self.even_tokens, (self.x_moment - even) / odd_tokens)
+        return LayerStats(moment, self.distance_mass, self.tokens, raw_moment=raw, halves=halves)
 
 
 SHRINK_TARGETS = ("diag", "identity")
