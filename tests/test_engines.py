@@ -123,19 +123,25 @@ def _cpu_takes_vllm_fp8_cache() -> bool:
 
 @pytest.mark.slow
 def test_vllm_fp8_cache_on_the_converted_model(smollm2_320):
-    """kv_cache_dtype=fp8 in vLLM 0.32's CPU build. MLA path (512 + 64): it allocates one byte per cached value and
-    its prefill runs (prefill attends over the fresh latent), but the first decode step dies in the CPU MLA decode
-    kernel, which takes only the model dtype (this test fails, and docs/serving.md must change, when a vLLM serves
-    it). Non-MLA path (VLLM_MLA_DISABLE=1): on a CPU with AVX-512 or AMX, expanded per-head K/V in fp8, perplexity
-    within 10% of the bf16 cache's; on any other CPU (AVX2 only) vLLM refuses the fp8 cache when it builds it."""
+    """kv_cache_dtype=fp8 in vLLM 0.32's CPU build. MLA path (512 + 64), neither CPU MLA backend serves it (this
+    test fails, and docs/serving.md must change, when a vLLM does): the reference CPU_MLA backend allocates one byte
+    per cached value and its prefill runs, but the first decode step dies in its decode kernel, which takes only the
+    model dtype; the AMX_MLA backend (what vLLM picks on a CPU with AMX tiles) refuses an fp8 cache at the first
+    cache write. Non-MLA path (VLLM_MLA_DISABLE=1): on a CPU with AVX-512 or AMX, expanded per-head K/V in fp8,
+    perplexity within 10% of the bf16 cache's; on any other CPU (AVX2 only) vLLM refuses the fp8 cache when it
+    builds it."""
     from transmla_tool.engines.vllm_engine import run_vllm
 
     _vllm_or_skip()
     outputs, heldout = smollm2_320
     prompts, windows = _prompts_and_windows(outputs["padded-576"], heldout, 256)
-    with pytest.raises(RuntimeError, match="expected scalar type BFloat16 but found Float8_e4m3fn"):
-        run_vllm(outputs["padded-576"], greedy=prompts, new_tokens=4, dtype="bfloat16", kv_cache_dtype="fp8",
-                 max_model_len=1024)
+    refusals = {"CPU_MLA": "expected scalar type BFloat16 but found Float8_e4m3fn"}
+    if torch.cpu._is_amx_tile_supported():
+        refusals["AMX_MLA"] = "AMXMLAImpl only supports an unquantized \\(bf16\\) KV cache"
+    for backend, message in refusals.items():
+        with pytest.raises(RuntimeError, match=message):
+            run_vllm(outputs["padded-576"], greedy=prompts, new_tokens=4, dtype="bfloat16", kv_cache_dtype="fp8",
+                     max_model_len=1024, attention_backend=backend)
     expanded = dict(perplexity=windows, dtype="bfloat16", env={"VLLM_MLA_DISABLE": "1"}, max_model_len=1024)
     if not _cpu_takes_vllm_fp8_cache():
         with pytest.raises(RuntimeError, match="FP8 KV cache on CPU requires x86 with AVX-512 or AMX"):
