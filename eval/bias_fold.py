@@ -5,8 +5,8 @@ near-constant direction u (u.x ~ 1; ops/bias_fold.py). The method setting `bias_
 "constant" folds it after the joint latent is chosen (least squares into the latent's value span), "joint" hands it to
 the joint latent PCA as signal ([W_v | b_v] under the augmented moment), "none" drops every bias; `rope_bias_fold`
 folds the rotary key's bias "all" or as far as each slot rotates ("rotating"). This runs the source model over
-calibration windows one layer at a time, converts each layer in closed form (no refinement) once per variant, and
-measures:
+calibration windows one layer at a time, converts each layer in closed form (no refinement; `--refine-steps N`: the
+default method's layer-local refinement, N steps, in the layers that fold) once per variant, and measures:
 - per layer, the relative MSE of the attention block's output on held-out windows of another kind of text (each
   variant's layer fed the source's own inputs), and the value bias the variant's latent misses;
 - end to end, the held-out perplexity of the model with every layer replaced by the variant's (each variant carries
@@ -69,6 +69,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=0, help="convert only the first N layers (0 = all)")
     parser.add_argument("--fold-layers", default="", help="fold in these layers only (e.g. 0-1 or 2,5), keep the "
                         "biases (transformers) elsewhere: which layers' folds cost the model")
+    parser.add_argument("--refine-steps", type=int, default=0,
+                        help="refine each folding layer (--fold-layers, else every layer) with the default method's "
+                             "layer-local refinement for this many steps (0: closed form, training-free); the layers "
+                             "outside --fold-layers stay closed form: whether refinement absorbs what the fold loses")
     parser.add_argument("--constant-channel", action="store_true",
                         help="every variant (and the original it is compared with) on the embedding with one channel "
                              "made constant for the first layer (ops/bias_fold.with_constant_channel), as convert does "
@@ -111,6 +115,7 @@ def main() -> None:
     device = torch.device("cpu")
     layers = SourceLayers(source, geometry, device)
     method = replace(PRESETS["closed-form"], moment_shrinkage=PRESETS["default"].moment_shrinkage)
+    refined = replace(method, refine_steps=args.refine_steps)  # the default method when the steps are its 600
     configs = {}
     for r, v in wanted:
         keep = v == "keep"
@@ -118,7 +123,7 @@ def main() -> None:
                                           q_bias=keep and geometry.q_bias, attention_bias=keep,
                                           dtype=torch.float32, yarn_for_scaled_rope=not keep)
     first_config = next(iter(configs.values()))
-    ctx = LayerContext.build(method, geometry, layers, first_config, length=args.seq_len, rope_dim=args.rope_dim,
+    ctx = LayerContext.build(refined, geometry, layers, first_config, length=args.seq_len, rope_dim=args.rope_dim,
                              seed=0, batch_size=4, windows=calib.shape[0], device=device)
     embed = source.get(EMBED).float()
     pristine = embed[held].clone()  # the original's own stream (the one with a constant channel is another model)
@@ -145,19 +150,23 @@ def main() -> None:
             r, v = key
             if fold_layers is not None and i not in fold_layers:
                 if r not in kept:
-                    kept[r] = convert_layer(layer, attn, hidden, calib_i, ctx, i, r, keep_config[r])
+                    kept[r] = convert_layer(layer, attn, hidden, calib_i, replace(ctx, method=method), i, r,
+                                            keep_config[r])
                 _, mla, report = kept[r]
             else:
-                ctx_v = replace(ctx, method=replace(method, **VARIANTS[v]))
+                ctx_v = replace(ctx, method=replace(refined, **VARIANTS[v]))
                 _, mla, report = convert_layer(layer, attn, hidden, calib_i, ctx_v, i, r, configs[key])
             mla32 = mla.to(torch.float32)
             err = _relative_mse(layer, held_hidden, target, mla32, ctx)
-            row = {"layer": i, "heldout_rel_mse": round(err, 6), **report.get("bias_fold", {})}
+            row = {"layer": i, "heldout_rel_mse": round(err, 6), **report.get("bias_fold", {}),
+                   **{k: report[k] for k in ("refine_loss_before", "refine_loss_after") if k in report}}
             per_layer[key].append(row)
             run_layer_with_attention(layer, lambda x, w=mla32: mla_attention(x, w, ctx.target_cos, ctx.target_sin),
                                      streams[key], 4)
             print(f"layer {i} latent {r} {v}: held-out rel. MSE {err:.4f}"
-                  + (f", rotary-key bias folded {row['rope_bias_folded']:.3f}" if "rope_bias_folded" in row else ""),
+                  + (f", rotary-key bias folded {row['rope_bias_folded']:.3f}" if "rope_bias_folded" in row else "")
+                  + (f", refinement loss {row['refine_loss_before']:.4f} -> {row['refine_loss_after']:.4f}"
+                     if "refine_loss_after" in row else ""),
                   flush=True)
         run_source_layer(layer, hidden, (ctx.cos[None], ctx.sin[None]), 4)
         run_source_layer(layer, held_hidden, (ctx.cos[None], ctx.sin[None]), 4)
@@ -202,7 +211,8 @@ def _key(args, r, v) -> dict:
             "seq_len": args.seq_len, "layers": args.layers,
             # absent in rows made before the flags
             **({"constant_channel": True} if args.constant_channel else {}),
-            **({"fold_layers": args.fold_layers} if args.fold_layers else {})}
+            **({"fold_layers": args.fold_layers} if args.fold_layers else {}),
+            **({"refine_steps": args.refine_steps} if args.refine_steps else {})}
 
 
 @torch.no_grad()

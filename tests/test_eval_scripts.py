@@ -1,6 +1,7 @@
 """The benchmark scripts under eval/ run end to end on a tiny converted model (their numbers are
 benchmarks, not tested here; that they run and check what they claim to check is)."""
 
+import argparse
 import dataclasses
 import json
 import math
@@ -699,5 +700,11 @@ def test_bias_fold_benchmark_refuses_an_unknown_variant_and_reads_layer_sets(tmp
                           "--variants", "joint-rotating,joint-everything"], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "unknown variants ['joint-everything']" in run.stderr
     assert not list(tmp_path.iterdir())  # before any work
-    layer_set = _eval_module("bias_fold")._layer_set
-    assert layer_set("0-1,5") == {0, 1, 5} and layer_set("") is None
+    module = _eval_module("bias_fold")
+    assert module._layer_set("0-1,5") == {0, 1, 5} and module._layer_set("") is None
+    # a refined run is its own row; a training-free one keeps the key of the rows made before --refine-steps
+    args = argparse.Namespace(model="m", rope_dim=64, calib="news", heldout="docs", calib_samples=32, heldout_windows=8,
+                              seq_len=512, layers=0, constant_channel=False, fold_layers="", refine_steps=0)
+    assert "refine_steps" not in module._key(args, 160, "keep")
+    args.refine_steps = 600
+    assert module._key(args, 160, "keep")["refine_steps"] == 600
