@@ -20,9 +20,10 @@ class LayerStats:
     # the moment as measured, before any shrinkage (x_moment is what the factorization trusts): the energy the
     # cache will really hold is computed from this one
     raw_moment: torch.Tensor | None = None
-    # with split=True: the raw moments of the even and of the odd windows, for what is fitted on some windows to be
-    # scored on others (ops/bias_fold.heldout_spread); accumulated as the even windows' sum until finalize
+    # with split=True: the raw moments of the even and of the odd windows (set by finalize), for what is fitted on
+    # some windows to be scored on others (ops/bias_fold.heldout_spread); while accumulating, the even windows' sum
     halves: tuple[torch.Tensor, torch.Tensor] | None = None
+    even_moment: torch.Tensor | None = None
     even_tokens: int = 0
     windows: int = 0
 
@@ -32,7 +33,7 @@ class LayerStats:
         return cls(
             x_moment=zeros(),
             distance_mass=torch.zeros(heads, seq_len, dtype=torch.float64, device=device),
-            halves=(zeros(), None) if split else None,
+            even_moment=zeros() if split else None,
         )
 
     def add(self, x: torch.Tensor) -> None:
@@ -50,21 +51,20 @@ class LayerStats:
         self.windows += x.shape[0]
 
     def _parts(self, x: torch.Tensor):
-        if self.halves is None:
+        if self.even_moment is None:
             return [(x, None)]
         first = self.windows % 2  # the chunk's first window that is even in the whole sequence of windows
         even = x[first::2]
         odd = x[1 - first::2]
-        return [(even, self.halves[0]), (odd, None)] if even.shape[0] else [(odd, None)]
+        return [(even, self.even_moment), (odd, None)] if even.shape[0] else [(odd, None)]
 
     def finalize(self, shrinkage: float = 0.0, target: str = "diag") -> "LayerStats":
         raw = self.x_moment / max(self.tokens, 1)
         moment = shrink_moment(raw, shrinkage, target) if shrinkage else raw
         halves = None
         odd_tokens = self.tokens - self.even_tokens
-        if self.halves is not None and self.even_tokens and odd_tokens:
-            even = self.halves[0]
-            halves = (even / self.even_tokens, (self.x_moment - even) / odd_tokens)
+        if self.even_moment is not None and self.even_tokens and odd_tokens:
+            halves = (self.even_moment / self.even_tokens, (self.x_moment - self.even_moment) / odd_tokens)
         return LayerStats(moment, self.distance_mass, self.tokens, raw_moment=raw, halves=halves)
 
 
