@@ -18,7 +18,8 @@ the domains the calibration never saw.
 
 Resumable: rows go to <output-dir>/frontier.jsonl keyed by (model, calibration, config, budget, cache type,
 domain); a rerun measures only what is missing (a configuration name whose rows were made with other
-settings is refused, and so is a rerun with another --ctx or --chunks). frontier.md and the plots are rebuilt
+settings is refused, and so is a rerun with another --ctx or --chunks); a conversion killed part way continues
+from its last finished layer (`convert --resume`). frontier.md and the plots are rebuilt
 from the file: one section per calibration source, and once a configuration is measured under all four mix-D
 calibrations (each scored on the D it left out) a leave-one-out section whose ratio is the worst of the four.
 """
@@ -195,7 +196,7 @@ def main() -> None:
                 summaries.update(convert_many(ConvertSettings(
                     model=model_dir, gguf_file=gguf, output="", latent_dim=max(ckpts), rope_dim=args.rope_dim,
                     calib_data=spec, calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
-                    dtype="float32", device=args.device, overwrite=True, target="llamacpp", method=method,
+                    dtype="float32", device=args.device, overwrite=True, resume=True, target="llamacpp", method=method,
                     method_name=preset,
                 ), {r: str(p) for r, p in ckpts.items() if r not in reused}))
             seconds = round(time.time() - start, 1)

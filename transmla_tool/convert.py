@@ -171,8 +171,7 @@ def check_biases(settings: ConvertSettings, geometry: AttentionGeometry) -> None
     """A bias-free output of a source with attention biases needs the refinement: no stock engine path holds the
     biases, and without them the closed form alone destroys a real model (Qwen2.5-Coder-1.5B: held-out perplexity
     5.5 -> 1.4e6 with its q/k/v biases dropped; the value bias alone 8e5). Refused rather than written."""
-    biased = geometry.q_bias or geometry.k_bias or geometry.v_bias or geometry.o_bias
-    if biased and drops_biases(settings.target, settings.biases) and not settings.method.refines:
+    if geometry.biased and drops_biases(settings.target, settings.biases) and not settings.method.refines:
         named = next((name for name, preset in PRESETS.items() if preset == settings.method), "given")
         raise UserError(
             f"the source has attention biases, which --target {settings.target} (--biases {settings.biases}) drops, "
@@ -202,7 +201,7 @@ def convert_many(settings: ConvertSettings, outputs: dict[int, str], on_layer=No
     with stage("calibration text"):
         tokenizer = source.load_tokenizer()
         ids = calibration_windows(settings, tokenizer)
-    attention_bias = geometry.q_bias or geometry.k_bias or geometry.v_bias or geometry.o_bias
+    attention_bias = geometry.biased
     drop_biases = attention_bias and drops_biases(settings.target, settings.biases)
     warnings = []
     if drop_biases:
@@ -297,8 +296,7 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
     first = 0
     scale = residual_scale(geometry.rms_norm_eps)  # 1 for a source trained with the stock eps (1e-6)
     # a bias-free output of a biased source: the first layer reads a constant embedding channel (ops/bias_fold.py)
-    biased = geometry.q_bias or geometry.k_bias or geometry.v_bias or geometry.o_bias
-    channel = (biased and not targets[0].config.attention_bias and method.bias_fold != "none"
+    channel = (geometry.biased and not targets[0].config.attention_bias and method.bias_fold != "none"
                and method.constant_channel == "embedding")
     if resumed is None:
         embed = source.get(EMBED, dtype=None)  # as stored: a 128K-vocabulary fp32 copy would be 2 GB more

@@ -84,7 +84,7 @@ def calibrate_layer(layer, attn: GQAWeights, inputs: torch.Tensor, ctx: LayerCon
     stage = stage or (lambda name: nullcontext())
     method = ctx.method
     with stage("statistics"):
-        stats = _layer_stats(layer, attn, inputs, ctx.cos, ctx.sin, ctx.batch_size, method)
+        stats = _layer_stats(layer, attn, inputs, ctx.cos, ctx.sin, ctx.batch_size, method, ctx.geometry.biased)
     with stage("rope plan"):
         plan, rotation = _rope_plan(method, attn, stats, ctx.geometry, ctx.inv_freq, ctx.pools, ctx.log_freqs)
     x_refine = y_refine = None
@@ -114,8 +114,7 @@ def convert_layer(layer, attn: GQAWeights, inputs: torch.Tensor, calib: LayerCal
         mla = mla.to(torch.float64, "cpu")
         folded = None
         if not config.attention_bias:  # a bias-free output: folded or dropped; refinement fits
-            has_bias = any(b is not None for b in (mla.q_bias, mla.kv_a_bias, mla.o_bias))
-            if has_bias and fold != "none":
+            if ctx.geometry.biased and fold != "none":
                 share = None
                 if method.rope_bias_fold == "rotating":
                     slot_freq = ctx.log_freqs[0].exp()
@@ -232,9 +231,9 @@ def _cpu(t):
     return None if t is None else t.double().cpu()
 
 
-def _layer_stats(layer, attn, inputs, cos, sin, batch, method: Method) -> LayerStats:
-    biased = any(b is not None for b in (attn.q_bias, attn.k_bias, attn.v_bias, attn.o_bias))
-    # a biased source: the halves' moments tell how well the direction its biases are folded through holds off the
+def _layer_stats(layer, attn, inputs, cos, sin, batch, method: Method, biased: bool) -> LayerStats:
+    # a biased source, whatever the output (eval/bias_fold.py serves outputs that keep and fold from one calibration):
+    # the halves' moments tell how well the direction its biases are folded through holds off the
     # windows it was fitted on (ops/bias_fold.heldout_spread)
     stats = LayerStats.empty(attn.q.shape[1], attn.num_heads, inputs.shape[1], device=inputs.device, split=biased)
     with torch.no_grad():

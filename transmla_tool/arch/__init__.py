@@ -36,6 +36,11 @@ class AttentionGeometry:
     hidden_act: str = "silu"
 
     @property
+    def biased(self) -> bool:
+        """Does the source's attention carry any bias (Qwen2's q/k/v)?"""
+        return self.q_bias or self.k_bias or self.v_bias or self.o_bias
+
+    @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
