@@ -32,7 +32,7 @@ from .io.staging import (
     staging_path,
 )
 from .io.writer import DEFAULT_MAX_SHARD, PARTS, ShardedWriter, check_shard_size
-from .layer import LayerContext, calibrate_layer, convert_layer
+from .layer import LayerContext, calibrate_layer, convert_layer, folds_biases
 from .memory import Stages
 from .methods import PRESETS, Method
 from .model_card import write_model_card
@@ -296,8 +296,7 @@ def _convert_weights(settings, source, geometry, targets, ids, device, resumed=N
     first = 0
     scale = residual_scale(geometry.rms_norm_eps)  # 1 for a source trained with the stock eps (1e-6)
     # a bias-free output of a biased source: the first layer reads a constant embedding channel (ops/bias_fold.py)
-    channel = (geometry.biased and not targets[0].config.attention_bias and method.bias_fold != "none"
-               and method.constant_channel == "embedding")
+    channel = folds_biases(geometry, targets[0].config, method) and method.constant_channel == "embedding"
     if resumed is None:
         embed = source.get(EMBED, dtype=None)  # as stored: a 128K-vocabulary fp32 copy would be 2 GB more
         if channel:

@@ -94,6 +94,12 @@ def calibrate_layer(layer, attn: GQAWeights, inputs: torch.Tensor, ctx: LayerCon
     return LayerCalibration(stats, plan, rotation, x_refine, y_refine)
 
 
+def folds_biases(geometry: AttentionGeometry, target_config, method: Method) -> bool:
+    """Does this output fold the source's attention biases into its weights (a biased source, a bias-free output,
+    bias_fold not "none"; ops/bias_fold.py)?"""
+    return geometry.biased and not target_config.attention_bias and method.bias_fold != "none"
+
+
 def convert_layer(layer, attn: GQAWeights, inputs: torch.Tensor, calib: LayerCalibration, ctx: LayerContext,
                   index: int, latent_dim: int, config, stage=None) -> tuple[dict, MLAWeights, dict]:
     """One source layer as stock attention tensors for a latent of `latent_dim` (config: the output's
@@ -103,7 +109,7 @@ def convert_layer(layer, attn: GQAWeights, inputs: torch.Tensor, calib: LayerCal
     method, device = ctx.method, inputs.device
     # A bias-free output of a biased source (ops/bias_fold.py): "joint" gives the value bias to the joint latent,
     # "constant" folds it after the latent is chosen; rope_bias_fold says how much of the rotary key's bias is folded
-    fold = method.bias_fold if not config.attention_bias else "none"
+    fold = method.bias_fold if folds_biases(ctx.geometry, config, method) else "none"
     with stage("factorize"):  # fp64 on the conversion device: a GPU does it in a fraction of the time
         mla, fact = factorize(
             attn.to(torch.float64, device), calib.stats.x_moment.to(device), _plan_to(calib.plan, device),
@@ -114,7 +120,7 @@ def convert_layer(layer, attn: GQAWeights, inputs: torch.Tensor, calib: LayerCal
         mla = mla.to(torch.float64, "cpu")
         folded = None
         if not config.attention_bias:  # a bias-free output: folded or dropped; refinement fits
-            if ctx.geometry.biased and fold != "none":
+            if fold != "none":
                 share = None
                 if method.rope_bias_fold == "rotating":
                     slot_freq = ctx.log_freqs[0].exp()
