@@ -96,6 +96,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=24, help="windows of --ctx tokens per domain")
     parser.add_argument("--device", default="auto", help="conversion device")
     parser.add_argument("--keep-gguf", action="store_true", help="keep each converted GGUF under <output-dir>/gguf")
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="keep each converted checkpoint under <output-dir>/ckpt (for eval/cache_split.py, "
+                        "rebalance or heal; by default it is deleted once scored)")
     parser.add_argument("--gguf-from", default=None,
                         help="an earlier frontier directory whose kept GGUFs (--keep-gguf) are scored here instead of "
                         "converting again (same calibration, configuration and settings, checked on its rows): the "
@@ -211,7 +214,8 @@ def main() -> None:
                         "stages": summaries[latent].get("stages")}
                 measure(model_file, exported["run_flags"], base, converted_types,
                         lambda e, v=latent + args.rope_dim: analytic_bytes(e, mla_values=v), domains)
-                shutil.rmtree(ckpt, ignore_errors=True)
+                if not args.keep_checkpoints:
+                    shutil.rmtree(ckpt, ignore_errors=True)
                 if not args.keep_gguf:
                     model_file.unlink(missing_ok=True)
                 elif latent not in reused:  # what llama.cpp must be told at run time, for a later --gguf-from
