@@ -355,7 +355,10 @@ def test_dropped_biases_without_refinement_refused(make_model, convert_tiny, tmp
     others = [i for i in range(written.shape[1]) if i != channel]
     assert torch.equal(written[:, others], source[:, others]) and not torch.equal(written[:, channel],
                                                                                   source[:, channel])
-    assert refined["layers"][0]["bias_fold"]["constant_mse"] < 1e-6 < refined["layers"][1]["bias_fold"]["constant_mse"]
+    # exact up to the ridge's shrinkage of u (RIDGE, 1e-4 of the mean input energy: 2e-6 here), orders of magnitude
+    # below the next layer's fit, which has no constant channel (2.7e-3 here)
+    first, second = (refined["layers"][i]["bias_fold"]["constant_mse"] for i in (0, 1))
+    assert first < 1e-5 and second > 100 * first
     # eight windows of 64 tokens fit the direction to the tokens it saw: the summary says so and names the fix
     assert len(refined["warnings"]) == 1 and "--calib-samples, 8 windows now" in refined["warnings"][0]
 
