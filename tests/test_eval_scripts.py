@@ -708,3 +708,54 @@ def test_bias_fold_benchmark_refuses_an_unknown_variant_and_reads_layer_sets(tmp
     assert "refine_steps" not in module._key(args, 160, "keep")
     args.refine_steps = 600
     assert module._key(args, 160, "keep")["refine_steps"] == 600
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_frontier_keeps_scored_checkpoints_only_when_asked(make_model, tmp_path, monkeypatch, keep):
+    """eval/frontier.py end to end on a tiny model, with llama.cpp replaced by a recorder (the engine runs in
+    tests/test_engines.py): each budget is converted once, scored under each cache type on the held-out domain, and
+    its checkpoint is kept (a loadable conversion, for cache_split, rebalance or heal) only under --keep-checkpoints."""
+    import transmla_tool.engines.llamacpp as llamacpp
+    import transmla_tool.gguf_export as gguf_export
+    frontier = _eval_module("frontier")
+    model = make_model("llama", heads=4, kv_heads=2, head_dim=16)
+    scored = []
+
+    def perplexity(model_file, text_file, ctx, chunks, flags=()):
+        scored.append((Path(model_file).name, tuple(flags)))
+        return {"perplexity": 10.0 + len(scored), "chunks": chunks, "kv_bytes_per_token_per_layer": 64.0,
+                "kv_cells": ctx, "kv_layers": 2, "cpu_kernels": "AVX2"}
+
+    def export(settings):
+        Path(settings.output).write_bytes(b"GGUF")  # what was exported is what gets scored
+        return {"run_flags": []}
+
+    monkeypatch.setattr(llamacpp, "llama_cpp_version", lambda: "llama.cpp test")
+    monkeypatch.setattr(llamacpp, "perplexity", perplexity)
+    monkeypatch.setattr(llamacpp, "quantize", lambda src, dst, *a, **k: Path(dst).write_bytes(b"GGUF"))
+    monkeypatch.setattr(gguf_export, "export_gguf", export)
+    # the registry's models are GGUF files; the tiny one is a checkpoint directory, converted as such
+    monkeypatch.setattr(frontier, "model_gguf", lambda name: (str(model), "model.gguf"))
+    monkeypatch.setattr(frontier, "kv_values", lambda directory, gguf: 2 * 16)
+    convert_many = frontier.convert_many
+    monkeypatch.setattr(frontier, "convert_many",
+                        lambda settings, outputs: convert_many(dataclasses.replace(settings, gguf_file=None), outputs))
+    out = tmp_path / "frontier"
+    argv = ["frontier.py", "--output-dir", str(out), "--calib", "mix-docs", "--budgets", "24,32", "--rope-dim", "8",
+            "--calib-samples", "4", "--calib-seq-len", "32", "--cache-types", "f16,f32", "--original-cache-types",
+            "f16", "--chunks", "2", "--ctx", "64", "--device", "cpu", *(["--keep-checkpoints"] if keep else [])]
+    monkeypatch.setattr(sys, "argv", argv)
+    frontier.main()
+
+    rows = [json.loads(line) for line in (out / "frontier.jsonl").read_text().splitlines()]
+    converted = sorted((r["budget"], r["cache"], r["domain"]) for r in rows if r["model"] == "converted")
+    assert converted == [(24, "f16", "docs"), (24, "f32", "docs"), (32, "f16", "docs"), (32, "f32", "docs")]
+    assert len(scored) == 5  # the original once, each conversion under both caches
+    kept = sorted(p.name for p in (out / "ckpt").iterdir() if not p.name.startswith("."))
+    if keep:
+        assert kept == ["mix-docs-default-24", "mix-docs-default-32"]
+        config = json.loads((out / "ckpt" / "mix-docs-default-24" / "config.json").read_text())
+        assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (16, 8)
+    else:
+        assert kept == []
+    assert not list((out / "gguf").glob("mix-docs-*"))  # the GGUFs go either way without --keep-gguf
