@@ -78,8 +78,9 @@ def _kill_run(args: list[str], target: str, when: str = "after", nth: int = 1) -
         calls = [0]
         def wrapped(*args, **kwargs):
             calls[0] += 1
-            if calls[0] == {nth} and {when!r} == "midway":  # rmtree cut short: one file gone, then the kill
-                os.remove(sorted(p for p in __import__("pathlib").Path(args[0]).iterdir())[0])
+            if calls[0] == {nth} and {when!r} == "midway":  # rmtree cut short: one file gone (if any), then the kill
+                for first in sorted(p for p in __import__("pathlib").Path(args[0]).iterdir())[:1]:
+                    os.remove(first)
                 os.kill(os.getpid(), signal.SIGKILL)
             if calls[0] == {nth} and {when!r} == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -296,6 +297,30 @@ def test_killed_final_assembly_resumes_bit_identical(convert_args, tmp_path, tar
     leftovers = {"parts", "resume", "RESUMABLE", "COMPLETE", "ASSEMBLED", "LOCK"} & {p.name for p in
                                                                                     (tmp_path / "out").iterdir()}
     assert not leftovers
+
+
+def test_killed_between_shards_resumes_with_the_parts_already_freed(convert_args, tmp_path):
+    """A sharded output killed after its first shard is written: the parts only that shard read are gone already (the
+    disk holds about one copy while assembling, not two), and --resume writes the rest from the parts still there,
+    every shard byte for byte an uninterrupted run's."""
+    def shards(out: Path) -> dict:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("model-*.safetensors"))}
+
+    small = {"--max-shard-size": "40KB"}
+    reference = tmp_path / "reference"
+    assert main(convert_args(output=reference, **small)) == 0
+    assert len(shards(reference)) >= 3
+    killed = _kill_run(convert_args(**small), "transmla_tool.io.writer:ShardedWriter._write_shard", "before", 2)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    staging = next(tmp_path.glob(".out*"))
+    written = list(staging.glob("model-*.safetensors"))
+    parts = {p.name for p in (staging / "parts").glob("*.safetensors")}
+    assert len(written) == 1 and "embed.safetensors" not in parts and "final.safetensors" in parts
+    done = subprocess.run([sys.executable, "-m", "transmla_tool", *convert_args(**small), "--resume"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert shards(tmp_path / "out") == shards(reference)
+    assert not (tmp_path / "out" / "parts").exists()
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from .io.staging import (
     staged_directory,
     staging_path,
 )
-from .io.writer import DEFAULT_MAX_SHARD, PARTS, ShardedWriter, check_shard_size
+from .io.writer import DEFAULT_MAX_SHARD, PARTS, PEAK_SHARDS, ShardedWriter, check_shard_size, shard_bytes
 from .layer import LayerContext, calibrate_layer, convert_layer, folds_biases
 from .memory import Stages
 from .methods import PRESETS, Method
@@ -275,8 +275,9 @@ def calibration_windows(settings: ConvertSettings, tokenizer) -> torch.Tensor:
 
 
 def check_room(settings: ConvertSettings, source, geometry, outputs, out_dtype) -> None:
-    """Refuse before any work when the output's disk cannot hold it: the parts and the assembled shards coexist
-    until the end, so each output needs about twice its size, plus the resume checkpoint's residual stream."""
+    """Refuse before any work when the output's disk cannot hold it: every output's parts until the end, and while
+    one is assembled the shard being written beside the parts it reads (io/writer.py: about PEAK_SHARDS shards),
+    plus the resume checkpoint's residual stream."""
     parameters = source.parameter_count() if hasattr(source, "parameter_count") else None
     if not parameters:
         return
@@ -284,8 +285,10 @@ def check_room(settings: ConvertSettings, source, geometry, outputs, out_dtype) 
         parameters += source.config.vocab_size * geometry.hidden_size  # the output unties a tied head
     element = torch.tensor([], dtype=out_dtype).element_size()
     stream = settings.calib_samples * settings.calib_seq_len * geometry.hidden_size * 4 * 2
+    size = parameters * element
+    assembly = min(size, PEAK_SHARDS * shard_bytes(settings.max_shard_size))
     for output in outputs.values():
-        check_writable(Path(output), needed_bytes=2 * parameters * element * len(outputs) + stream)
+        check_writable(Path(output), needed_bytes=size * len(outputs) + assembly + stream)
 
 
 def _convert_weights(settings, source, geometry, targets, ids, device, resumed=None, on_layer=None,

@@ -5,6 +5,9 @@ once to its own part file under `parts/` (atomically: temporary name, then renam
 one group and a killed run can skip the groups already on disk. `close()` assembles the final shards
 from the parts, one shard in memory at a time, following the plan of huggingface_hub's splitter run
 on the *planned* (meta) state dict, so files and index are exactly what `save_pretrained` would write.
+A part is removed as soon as every shard that reads it is written, so the disk holds about one copy of
+the checkpoint during assembly, not two (PEAK_SHARDS of headroom: the shard being written and the parts it
+reads that a later shard reads too).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from .staging import ASSEMBLED_MARK
 # 5GB default would dominate it). Pass max_shard_size to change it.
 DEFAULT_MAX_SHARD = "2GB"
 PARTS = "parts"
+PEAK_SHARDS = 2  # disk beyond one copy of the checkpoint while it is assembled, in shards
 
 
 def check_shard_size(max_shard_size) -> None:
@@ -35,6 +39,13 @@ def check_shard_size(max_shard_size) -> None:
         split_torch_state_dict_into_shards({"probe": torch.zeros(1)}, max_shard_size=max_shard_size)
     except (ValueError, TypeError) as exc:
         raise UserError(f"--max-shard-size {max_shard_size!r}: {exc}") from exc
+
+
+def shard_bytes(max_shard_size) -> int:
+    """The largest shard's size in bytes, read as huggingface_hub's splitter reads it (1000-based units)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    return max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)
 
 
 class ShardedWriter:
@@ -75,8 +86,9 @@ class ShardedWriter:
 
     def close(self) -> list[str]:
         """Assemble the shards (and the index when sharded) and remove the parts. Resumable: each shard is written
-        under a temporary name and renamed, and ASSEMBLED_MARK is set once all are there, before any part is
-        removed; a run killed here assembles again, or finds the mark and only removes the parts."""
+        under a temporary name and renamed, and only then are the parts that no unwritten shard reads removed;
+        ASSEMBLED_MARK is set once all shards are there. A run killed here writes the shards still missing from
+        the parts still there, or finds the mark and only removes what is left of the parts."""
         if not (self.directory / ASSEMBLED_MARK).exists():
             self._assemble()
             (self.directory / ASSEMBLED_MARK).touch()
@@ -84,24 +96,32 @@ class ShardedWriter:
         return sorted(self.split.filename_to_tensors)
 
     def _assemble(self) -> None:
+        # a shard under its final name is whole (written under a temporary one, then renamed)
+        pending = {f: names for f, names in self.split.filename_to_tensors.items() if not (self.directory / f).exists()}
         where = self._part_index()
-        missing = sorted(set(self.planned) - set(where))
+        missing = sorted({n for names in pending.values() for n in names} - set(where))
         if missing:
             raise RuntimeError(f"{len(missing)} planned tensors were never written, e.g. {missing[:3]}")
-        for filename, names in self.split.filename_to_tensors.items():
-            shard = {}
-            for path in sorted({where[n] for n in names}):
-                with safe_open(path, framework="pt") as f:
-                    for name in names:
-                        if where[name] == path:
-                            shard[name] = f.get_tensor(name)
-            tmp = self.directory / f"{filename}.tmp"
-            save_file(shard, str(tmp), metadata={"format": "pt"})
-            os.replace(tmp, self.directory / filename)
-            del shard
+        for filename, names in list(pending.items()):
+            self._write_shard(filename, names, where)
+            del pending[filename]
+            still_read = {where[n] for rest in pending.values() for n in rest}
+            for path in {where[n] for n in names} - still_read:
+                path.unlink(missing_ok=True)
         if self.split.is_sharded:
             index = {"metadata": dict(self.split.metadata), "weight_map": dict(self.split.tensor_to_filename)}
             tmp = self.directory / "model.safetensors.index.json.tmp"
             with open(tmp, "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
             os.replace(tmp, self.directory / "model.safetensors.index.json")
+
+    def _write_shard(self, filename: str, names: list[str], where: dict[str, Path]) -> None:
+        shard = {}
+        for path in sorted({where[n] for n in names}):
+            with safe_open(path, framework="pt") as f:
+                for name in names:
+                    if where[name] == path:
+                        shard[name] = f.get_tensor(name)
+        tmp = self.directory / f"{filename}.tmp"
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, self.directory / filename)
