@@ -46,7 +46,7 @@ def _key(row: dict) -> tuple:
     return (row["model"], row["calib"], row["config"], row["budget"], row["cache"], row["task"])
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frontier-dir", required=True, help="an eval/frontier.py output directory (run --keep-gguf)")
     parser.add_argument("--tasks", default=",".join(TASKS))
@@ -61,6 +61,11 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="rows per task (default: all; stated in the table)")
     parser.add_argument("--n-ctx", type=int, default=4096, help="llama.cpp context (MMLU's 5-shot prompts fit)")
     parser.add_argument("--table-only", action="store_true")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     out = Path(args.frontier_dir)
     results = out / "benchmarks.jsonl"

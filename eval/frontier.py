@@ -73,7 +73,7 @@ def kv_values(model_dir: str, gguf: str) -> int:
     return config.num_key_value_heads * head_dim
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default="runs/frontier")
     parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS),
@@ -111,6 +111,11 @@ def main() -> None:
                         help="comma-separated byte budgets the table recommends a configuration for")
     parser.add_argument("--max-ratio", type=float, default=MAX_RATIO,
                         help="the worst perplexity ratio a recommendation may name (default %(default)s)")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     try:
         original_types = parse_cache_types(args.original_cache_types, "--original-cache-types")

@@ -47,7 +47,7 @@ from transmla_tool.registry import MODELS, model_gguf
 
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default="runs/heal")
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS),
@@ -101,6 +101,11 @@ def main() -> None:
     parser.add_argument("--frontier-only", action="store_true",
                         help="score a finished run's conversion and healed model under --cache-types again (e.g. a "
                         "cache type added later), without converting or healing")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.frontier_only and not args.cache_types:
         raise SystemExit("--frontier-only needs --cache-types")
@@ -108,7 +113,7 @@ def main() -> None:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     budget = args.latent_dim + args.rope_dim  # cached values per token per layer
-    healed = Path(args.output_dir) / f"healed-{budget}"
+    healed = healed_dir(Path(args.output_dir), budget)
     if args.frontier_only and not (healed / "healing.json").exists():
         raise SystemExit(f"--frontier-only: {healed} is not a finished healing run; run without --frontier-only")
     try:
@@ -221,6 +226,16 @@ def run_splits(data_dir: Path, left_out: str | None) -> tuple[str, Path]:
     return ",".join(str(path) for path in wanted[:-1]), wanted[-1]
 
 
+def healed_dir(out: Path, budget: int) -> Path:
+    """Where a run in `out` writes its healed model of `budget` cached values per token per layer."""
+    return out / f"healed-{budget}"
+
+
+def balanced_dir(path: Path, balance: str) -> Path:
+    """Where --rebalance writes a checkpoint's rotary-key-balanced copy."""
+    return Path(f"{path}-{balance}")
+
+
 def with_rebalanced(checkpoints: dict, balance: str | None, calib: str, device: str = "cpu") -> dict:
     """The checkpoints, plus each one's rotary key balanced (`<dir>-<balance>`, labelled `+<balance>`) when asked;
     balanced on the calibration text, never on the held-out domain. A balanced directory already there is reused."""
@@ -230,7 +245,7 @@ def with_rebalanced(checkpoints: dict, balance: str | None, calib: str, device: 
 
     out = dict(checkpoints)
     for label, path in checkpoints.items():
-        target = Path(f"{path}-{balance}")
+        target = balanced_dir(path, balance)
         if not (target / "rebalance.json").exists():
             rebalance(RebalanceSettings(model=str(path), output=str(target), balance=balance, calib_data=calib,
                                         device=device, overwrite=True))

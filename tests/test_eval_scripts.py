@@ -759,3 +759,41 @@ def test_frontier_keeps_scored_checkpoints_only_when_asked(make_model, tmp_path,
     else:
         assert kept == []
     assert not list((out / "gguf").glob("mix-docs-*"))  # the GGUFs go either way without --keep-gguf
+
+
+def test_benchmark_table_steps_are_what_each_script_takes(tmp_path):
+    """eval/benchmark_table.py chains frontier.py, heal.py and benchmarks.py: every step parses with that script's own
+    parser (a renamed flag fails here, not hours into a run), every point of the table reaches benchmarks.py (its
+    frontier conversion made at its size and cache type, its healed model where heal.py writes it), and --dry-run
+    runs nothing."""
+    table = _eval_module("benchmark_table")
+    parsers = {name: _eval_module(name).build_parser() for name in ("frontier", "heal", "benchmarks")}
+    steps = table.plan(tmp_path, 250, 409_600, 16, True)
+    parsed = [(Path(step[1]).stem, parsers[Path(step[1]).stem].parse_args(step[2:])) for step in steps]
+    assert [name for name, _ in parsed] == ["frontier", "frontier", "heal", "heal", "heal", "heal", "benchmarks"]
+    made = {(c.split("=")[0], int(b), cache, a.rope_dim) for name, a in parsed if name == "frontier"
+            for c in a.configs.split(";") for b in a.budgets.split(",") for cache in a.cache_types.split(",")}
+    healed = {}
+    for name, a in parsed:
+        if name == "heal":
+            assert a.data == "mix-docs" and a.max_tokens == 409_600
+            healed[str(a.output_dir)] = a
+    bench = parsed[-1][1]
+    assert bench.limit == 250 and bench.tasks.endswith(",mmlu")
+    for spec, point in zip(bench.points.split(";"), table.POINTS):
+        calib_config_budget, cache = spec.split(":")
+        _, config, budget = calib_config_budget.split("/")
+        assert (config, int(budget), cache, point.rope) in made
+    assert len(bench.checkpoint) == len(table.POINTS)
+    for spec, point in zip(bench.checkpoint, table.POINTS):
+        directory, cache = spec.split("=", 1)[1].rsplit(":", 1)
+        run = healed[str(tmp_path / f"heal-{point.name}")]
+        assert (run.latent_dim, run.rope_dim, run.cache_type, cache) == (point.latent, point.rope, point.heal_cache,
+                                                                          point.cache)
+        assert Path(directory) == Path(run.output_dir) / f"healed-{point.budget}-{run.rebalance}"
+    # no healing: the training-free points alone
+    assert [Path(s[1]).stem for s in table.plan(tmp_path, None, 0, 16, False)] == ["frontier", "frontier", "benchmarks"]
+    run = subprocess.run([sys.executable, str(ROOT / "eval" / "benchmark_table.py"), "--output-dir",
+                          str(tmp_path / "table"), "--dry-run"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("\n[") + 1 == 7 and not (tmp_path / "table").exists()
