@@ -710,11 +710,10 @@ def test_bias_fold_benchmark_refuses_an_unknown_variant_and_reads_layer_sets(tmp
     assert module._key(args, 160, "keep")["refine_steps"] == 600
 
 
-@pytest.mark.parametrize("keep", [True, False])
-def test_frontier_keeps_scored_checkpoints_only_when_asked(make_model, tmp_path, monkeypatch, keep):
-    """eval/frontier.py end to end on a tiny model, with llama.cpp replaced by a recorder (the engine runs in
-    tests/test_engines.py): each budget is converted once, scored under each cache type on the held-out domain, and
-    its checkpoint is kept (a loadable conversion, for cache_split, rebalance or heal) only under --keep-checkpoints."""
+def _frontier_on_recorder(make_model, tmp_path, monkeypatch, extra=()):
+    """eval/frontier.py on a tiny model with llama.cpp replaced by a recorder (the engine runs in
+    tests/test_engines.py): (module, argv, scored), where `scored` lists every (model file, flags) llama.cpp was asked
+    to score and `conversions` on the module's namespace counts convert_many's calls."""
     import transmla_tool.engines.llamacpp as llamacpp
     import transmla_tool.gguf_export as gguf_export
     frontier = _eval_module("frontier")
@@ -738,19 +737,41 @@ def test_frontier_keeps_scored_checkpoints_only_when_asked(make_model, tmp_path,
     monkeypatch.setattr(frontier, "model_gguf", lambda name: (str(model), "model.gguf"))
     monkeypatch.setattr(frontier, "kv_values", lambda directory, gguf: 2 * 16)
     convert_many = frontier.convert_many
-    monkeypatch.setattr(frontier, "convert_many",
-                        lambda settings, outputs: convert_many(dataclasses.replace(settings, gguf_file=None), outputs))
-    out = tmp_path / "frontier"
-    argv = ["frontier.py", "--output-dir", str(out), "--calib", "mix-docs", "--budgets", "24,32", "--rope-dim", "8",
-            "--calib-samples", "4", "--calib-seq-len", "32", "--cache-types", "f16,f32", "--original-cache-types",
-            "f16", "--chunks", "2", "--ctx", "64", "--device", "cpu", *(["--keep-checkpoints"] if keep else [])]
-    monkeypatch.setattr(sys, "argv", argv)
-    frontier.main()
+    frontier.conversions = []
 
+    def counted(settings, outputs):
+        frontier.conversions.append(sorted(outputs))
+        return convert_many(dataclasses.replace(settings, gguf_file=None), outputs)
+
+    monkeypatch.setattr(frontier, "convert_many", counted)
+    finished = frontier.finished_conversion  # asked of what the tiny model was converted from, likewise
+    monkeypatch.setattr(frontier, "finished_conversion",
+                        lambda ckpt, settings, latent: finished(ckpt, dataclasses.replace(settings, gguf_file=None),
+                                                                latent))
+    argv = ["frontier.py", "--output-dir", str(tmp_path / "frontier"), "--calib", "mix-docs", "--budgets", "24,32",
+            "--rope-dim", "8", "--calib-samples", "4", "--calib-seq-len", "32", "--cache-types", "f16,f32",
+            "--original-cache-types", "f16", "--chunks", "2", "--ctx", "64", "--device", "cpu", *extra]
+    monkeypatch.setattr(sys, "argv", argv)
+    return frontier, scored
+
+
+def _converted_rows(out: Path) -> list[tuple]:
     rows = [json.loads(line) for line in (out / "frontier.jsonl").read_text().splitlines()]
-    converted = sorted((r["budget"], r["cache"], r["domain"]) for r in rows if r["model"] == "converted")
-    assert converted == [(24, "f16", "docs"), (24, "f32", "docs"), (32, "f16", "docs"), (32, "f32", "docs")]
+    return sorted((r["budget"], r["cache"], r["domain"]) for r in rows if r["model"] == "converted")
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_frontier_keeps_scored_checkpoints_only_when_asked(make_model, tmp_path, monkeypatch, keep):
+    """eval/frontier.py end to end: each budget is converted once, scored under each cache type on the held-out
+    domain, and its checkpoint is kept (a loadable conversion, for cache_split, rebalance or heal) only under
+    --keep-checkpoints."""
+    frontier, scored = _frontier_on_recorder(make_model, tmp_path, monkeypatch,
+                                             ["--keep-checkpoints"] if keep else [])
+    frontier.main()
+    out = tmp_path / "frontier"
+    assert _converted_rows(out) == [(24, "f16", "docs"), (24, "f32", "docs"), (32, "f16", "docs"), (32, "f32", "docs")]
     assert len(scored) == 5  # the original once, each conversion under both caches
+    assert frontier.conversions == [[16, 24]]  # both budgets in one pass of calibration
     kept = sorted(p.name for p in (out / "ckpt").iterdir() if not p.name.startswith("."))
     if keep:
         assert kept == ["mix-docs-default-24", "mix-docs-default-32"]
@@ -759,6 +780,44 @@ def test_frontier_keeps_scored_checkpoints_only_when_asked(make_model, tmp_path,
     else:
         assert kept == []
     assert not list((out / "gguf").glob("mix-docs-*"))  # the GGUFs go either way without --keep-gguf
+
+
+def test_frontier_killed_while_scoring_does_not_convert_again(make_model, tmp_path, monkeypatch):
+    """A frontier run killed while llama.cpp scores its conversions resumes from the finished checkpoints: the missing
+    rows are scored, nothing is converted twice. A checkpoint made with other settings is never taken for one."""
+    import transmla_tool.engines.llamacpp as llamacpp
+    frontier, scored = _frontier_on_recorder(make_model, tmp_path, monkeypatch)
+    record = llamacpp.perplexity
+
+    def killed(model_file, *args, **kwargs):
+        if len(scored) == 2:  # the original, then the 24 budget under f16; killed under f32
+            raise KeyboardInterrupt
+        return record(model_file, *args, **kwargs)
+
+    llamacpp.perplexity = killed
+    with pytest.raises(KeyboardInterrupt):
+        frontier.main()
+    out = tmp_path / "frontier"
+    assert _converted_rows(out) == [(24, "f16", "docs")]
+    ckpt = out / "ckpt" / "mix-docs-default-24"
+    # the finished checkpoint is recognised for what it was made from, and only that
+    method = frontier.resolve_method("default", [])
+    settings = frontier.ConvertSettings(
+        model=str(tmp_path), output="", latent_dim=24, rope_dim=8, method=method)
+    assert frontier.finished_conversion(ckpt, settings, 16) is None  # another source model
+    made = json.loads((ckpt / "conversion.json").read_text())["settings"]
+    settings = frontier.ConvertSettings(**{k: made[k] for k in frontier.MADE_FROM if k != "method"},
+                                        output="", method=method)
+    assert frontier.finished_conversion(ckpt, settings, 16)["settings"]["latent_dim"] == 16
+    assert frontier.finished_conversion(ckpt, settings, 8) is None
+    other = frontier.resolve_method("default", ["refine_steps=3"])
+    assert frontier.finished_conversion(ckpt, dataclasses.replace(settings, method=other), 16) is None
+
+    llamacpp.perplexity = record
+    frontier.main()
+    assert _converted_rows(out) == [(24, "f16", "docs"), (24, "f32", "docs"), (32, "f16", "docs"), (32, "f32", "docs")]
+    assert frontier.conversions == [[16, 24]]  # the first run's pass only
+    assert len(scored) == 5
 
 
 def test_benchmark_table_steps_are_what_each_script_takes(tmp_path):
