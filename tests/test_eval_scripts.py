@@ -786,7 +786,8 @@ def test_frontier_killed_while_scoring_does_not_convert_again(make_model, tmp_pa
     """A frontier run killed while llama.cpp scores its conversions resumes from the finished checkpoints: the missing
     rows are scored, nothing is converted twice. A checkpoint made with other settings is never taken for one."""
     import transmla_tool.engines.llamacpp as llamacpp
-    frontier, scored = _frontier_on_recorder(make_model, tmp_path, monkeypatch)
+    frontier, scored = _frontier_on_recorder(make_model, tmp_path, monkeypatch,
+                                             ["--configs", "quick=default:refine_steps=2"])
     record = llamacpp.perplexity
 
     def killed(model_file, *args, **kwargs):
@@ -799,9 +800,9 @@ def test_frontier_killed_while_scoring_does_not_convert_again(make_model, tmp_pa
         frontier.main()
     out = tmp_path / "frontier"
     assert _converted_rows(out) == [(24, "f16", "docs")]
-    ckpt = out / "ckpt" / "mix-docs-default-24"
+    ckpt = out / "ckpt" / "mix-docs-quick-24"
     # the finished checkpoint is recognised for what it was made from, and only that
-    method = frontier.resolve_method("default", [])
+    method = frontier.resolve_method("default", ["refine_steps=2"])
     settings = frontier.ConvertSettings(
         model=str(tmp_path), output="", latent_dim=24, rope_dim=8, method=method)
     assert frontier.finished_conversion(ckpt, settings, 16) is None  # another source model
@@ -810,7 +811,7 @@ def test_frontier_killed_while_scoring_does_not_convert_again(make_model, tmp_pa
                                         output="", method=method)
     assert frontier.finished_conversion(ckpt, settings, 16)["settings"]["latent_dim"] == 16
     assert frontier.finished_conversion(ckpt, settings, 8) is None
-    other = frontier.resolve_method("default", ["refine_steps=3"])
+    other = frontier.resolve_method("default", [])
     assert frontier.finished_conversion(ckpt, dataclasses.replace(settings, method=other), 16) is None
 
     llamacpp.perplexity = record
