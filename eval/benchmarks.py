@@ -102,6 +102,7 @@ def main() -> None:
                 continue
             model_file = point["gguf"]
             if not Path(model_file).exists():  # the original's F32 file, or a checkpoint exported here
+                Path(model_file).parent.mkdir(parents=True, exist_ok=True)  # a new --frontier-dir: llama-quantize
                 if point["key"]["model"] == "original":
                     quantize(Path(model_dir) / gguf, model_file, "F32", allow_requantize=True)
                 else:

@@ -821,6 +821,52 @@ def test_frontier_killed_while_scoring_does_not_convert_again(make_model, tmp_pa
     assert len(scored) == 5
 
 
+def test_benchmarks_start_in_a_new_directory(tmp_path, monkeypatch):
+    """eval/benchmarks.py pointed at a --frontier-dir that does not exist yet (only the original and --checkpoint
+    points): the original's F32 GGUF is written there. llama-quantize cannot create the folder it writes into, so the
+    recorder refuses as it does; lm-eval and the bindings are replaced (they run in tests/test_benchmarks.py)."""
+    import transmla_tool.engines.llamacpp as llamacpp
+    import transmla_tool.engines.llamacpp_lm as llamacpp_lm
+    import transmla_tool.evaluate.lmeval as lmeval
+    import transmla_tool.evaluate.models as models
+    import transmla_tool.evaluate.tasks as tasks
+    benchmarks = _eval_module("benchmarks")
+
+    def quantize(src, dst, *args, **kwargs):
+        if not Path(dst).parent.is_dir():
+            raise RuntimeError("llama-quantize failed (exit 1): basic_ios::clear: iostream error")
+        Path(dst).write_bytes(b"GGUF")
+
+    class Engine:
+        def __init__(self, model_file, *args, **kwargs):
+            assert Path(model_file).read_bytes() == b"GGUF"
+
+        def close(self):
+            pass
+
+    def run(engine, names, data, limit, num_fewshot):
+        return {names[0]: {"metrics": {"acc": 0.5, "acc_norm": 0.5}, "stderr": {"acc": 0.1, "acc_norm": 0.1},
+                           "rows": limit, "rows_available": 570, "num_fewshot": [num_fewshot],
+                           "higher_is_better": {"acc": True, "acc_norm": True},
+                           "samples": {"acc": "10", "acc_norm": "01"}}}
+
+    monkeypatch.setattr(llamacpp, "quantize", quantize)
+    monkeypatch.setattr(llamacpp_lm, "LlamaCppLM", Engine)
+    monkeypatch.setattr(llamacpp_lm, "bindings_version", lambda: "llama-cpp-python test")
+    monkeypatch.setattr(llamacpp_lm, "cpu_kernels", lambda: "AVX2")
+    monkeypatch.setattr(lmeval, "run_lm_eval", run)
+    monkeypatch.setattr(models, "load_tokenizer", lambda *a: None)
+    monkeypatch.setattr(tasks, "resolve", lambda *a: {})
+    monkeypatch.setattr(benchmarks, "model_gguf", lambda name: (str(tmp_path), "model.gguf"))
+    out = tmp_path / "new" / "bench"
+    monkeypatch.setattr(sys, "argv", ["benchmarks.py", "--frontier-dir", str(out), "--tasks", "arc_easy", "--limit",
+                                      "2", "--original-cache-types", "f16"])
+    benchmarks.main()
+    rows = [json.loads(line) for line in (out / "benchmarks.jsonl").read_text().splitlines()]
+    assert [(r["model"], r["cache"], r["task"], r["rows"]) for r in rows] == [("original", "f16", "arc_easy", 2)]
+    assert (out / "gguf" / "original-f32.gguf").exists() and (out / "benchmarks.md").exists()
+
+
 def test_benchmark_table_steps_are_what_each_script_takes(tmp_path):
     """eval/benchmark_table.py chains frontier.py, heal.py and benchmarks.py: every step parses with that script's own
     parser (a renamed flag fails here, not hours into a run), every point of the table reaches benchmarks.py (its
