@@ -28,6 +28,7 @@ calibrations (each scored on the D it left out) a leave-one-out section whose ra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import shutil
@@ -58,6 +59,7 @@ from transmla_tool.evaluate.frontier import (  # noqa: E402
     plot,
     recommend,
 )
+from transmla_tool.io.resume import result_settings  # noqa: E402
 from transmla_tool.methods import recorded_method, resolve_method  # noqa: E402
 from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
@@ -234,14 +236,9 @@ def main() -> None:
     write_tables(out, budgets_asked, _names(args.plot_configs), args.max_ratio)
 
 
-# what a conversion's record says it was made from; the rest (device, batch size, output) does not change the model
-MADE_FROM = ("model", "gguf_file", "revision", "latent_dim", "rope_dim", "calib_data", "calib_samples",
-             "calib_seq_len", "text_field", "dtype", "seed", "ignore_sliding_window", "pad_latent_to", "target",
-             "biases", "method")
-
-
 def finished_conversion(ckpt: Path, settings: ConvertSettings, latent: int) -> dict | None:
-    """The summary of a finished conversion at `ckpt` made from what `settings` asks at this latent dim, else None.
+    """The summary of a finished conversion at `ckpt` made from what `settings` asks at this latent dim, else None:
+    every setting that changes the result must be the one recorded (io/resume.py's, as `convert --resume` asks).
     The writer renames a conversion into place only once it is whole, so a directory with its record is finished."""
     record = ckpt / "conversion.json"
     if not record.exists():
@@ -249,8 +246,8 @@ def finished_conversion(ckpt: Path, settings: ConvertSettings, latent: int) -> d
     summary = json.loads(record.read_text())
     made = dict(summary.get("settings", {}))
     made["method"] = recorded_method(made.get("method", {}))
-    wanted = {**{k: v for k, v in vars(settings).items() if k in MADE_FROM}, "latent_dim": latent,
-              "method": settings.method.as_dict()}
+    wanted = result_settings(dataclasses.replace(settings, latent_dim=latent))
+    wanted["method"] = settings.method.as_dict()
     return summary if all(made.get(k) == v for k, v in wanted.items()) else None
 
 

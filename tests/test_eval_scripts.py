@@ -712,8 +712,8 @@ def test_bias_fold_benchmark_refuses_an_unknown_variant_and_reads_layer_sets(tmp
 
 def _frontier_on_recorder(make_model, tmp_path, monkeypatch, extra=()):
     """eval/frontier.py on a tiny model with llama.cpp replaced by a recorder (the engine runs in
-    tests/test_engines.py): (module, argv, scored), where `scored` lists every (model file, flags) llama.cpp was asked
-    to score and `conversions` on the module's namespace counts convert_many's calls."""
+    tests/test_engines.py): (module, scored), where `scored` lists every (model file, flags) llama.cpp was asked to
+    score and `conversions` on the module's namespace lists convert_many's calls."""
     import transmla_tool.engines.llamacpp as llamacpp
     import transmla_tool.gguf_export as gguf_export
     frontier = _eval_module("frontier")
@@ -807,8 +807,8 @@ def test_frontier_killed_while_scoring_does_not_convert_again(make_model, tmp_pa
         model=str(tmp_path), output="", latent_dim=24, rope_dim=8, method=method)
     assert frontier.finished_conversion(ckpt, settings, 16) is None  # another source model
     made = json.loads((ckpt / "conversion.json").read_text())["settings"]
-    settings = frontier.ConvertSettings(**{k: made[k] for k in frontier.MADE_FROM if k != "method"},
-                                        output="", method=method)
+    fields = {f.name for f in dataclasses.fields(frontier.ConvertSettings)} - {"method", "output"}
+    settings = frontier.ConvertSettings(**{k: v for k, v in made.items() if k in fields}, output="", method=method)
     assert frontier.finished_conversion(ckpt, settings, 16)["settings"]["latent_dim"] == 16
     assert frontier.finished_conversion(ckpt, settings, 8) is None
     other = frontier.resolve_method("default", [])

@@ -24,11 +24,21 @@ if TYPE_CHECKING:
 RESUME_DIR = "resume"
 
 
+# the settings that do not change what a conversion makes; every other one does (--batch-size too: it changes the
+# rounding of the statistics), and one added later counts until it is listed here
+NOT_THE_RESULT = ("progress", "overwrite", "resume", "output", "refuse_unservable")
+
+
+def result_settings(settings: ConvertSettings) -> dict:
+    """The settings that change what a conversion makes, as JSON reads them back."""
+    return json.loads(json.dumps({k: v for k, v in asdict(settings).items() if k not in NOT_THE_RESULT},
+                                 sort_keys=True, default=str))
+
+
 def resume_key(settings: ConvertSettings, targets, source_fingerprint: dict) -> dict:
-    """What must be equal for a partial conversion to be continued: every setting that changes the result
-    (--batch-size too: it changes the rounding of the statistics) and the source's weights and config."""
-    ignored = ("progress", "overwrite", "resume", "output", "refuse_unservable")
-    key = {k: v for k, v in asdict(settings).items() if k not in ignored}
+    """What must be equal for a partial conversion to be continued: every setting that changes the result and the
+    source's weights and config."""
+    key = result_settings(settings)
     key["latent_dims"] = [t.latent_dim for t in targets]
     key["source"] = source_fingerprint
     return json.loads(json.dumps(key, sort_keys=True, default=str))
