@@ -162,6 +162,8 @@ def main() -> None:
         wanted["model"] = args.model
     if args.target != "transformers":
         wanted["target"] = args.target
+    if left_out is not None:  # the calibration text: the other three domains (news, the default, is not recorded)
+        wanted["calib"] = f"mix-{left_out}"
     recorded = json.loads(record.read_text()) if record.exists() else None
     if recorded is not None and "method" in recorded:
         recorded["method"] = recorded_method(recorded["method"])
@@ -177,14 +179,8 @@ def main() -> None:
         timing = {k: done[k] for k in ("wall_time_s", "peak_rss_mb", "peak_gpu_mb", "stages")}
         (out / "conversion-time.json").write_text(json.dumps({**timing, "device": str(device)}, indent=2))
 
-    reference = out / "original.json"
-    if not reference.exists():
-        tokenizer = load_tokenizer(model_dir, gguf)
-        windows = token_windows(str(heldout), tokenizer, args.seq_len, args.eval_windows)
-        model = load_model(model_dir, gguf, torch.float32, device)
-        reference.write_text(json.dumps({"perplexity": perplexity(model, windows)["perplexity"]}))
-        del model
-    original = json.loads(reference.read_text())["perplexity"]
+    original = original_perplexity(out / "original.json", model_dir, gguf, heldout, args.seq_len, args.eval_windows,
+                                   device)
 
     summary = heal(HealSettings(
         model=str(converted), output=str(healed), data=data, teacher=model_dir, teacher_gguf_file=gguf,
@@ -207,6 +203,23 @@ def main() -> None:
         checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device))
         place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks,
                           args.frontier_ctx)
+
+
+def original_perplexity(reference: Path, model_dir: str, gguf: str | None, heldout: Path, seq_len: int, windows: int,
+                        device) -> float:
+    """The original's held-out perplexity on the windows healing is scored on, kept in `reference`. Measured again
+    whenever the windows differ from the recorded ones: another --seq-len or --eval-windows in the same directory
+    would otherwise divide every logged perplexity by another length's number."""
+    scored_on = {"seq_len": seq_len, "windows": windows, "heldout": heldout.name}
+    measured = json.loads(reference.read_text()) if reference.exists() else {}
+    if {k: measured.get(k) for k in scored_on} != scored_on:
+        tokenizer = load_tokenizer(model_dir, gguf)
+        model = load_model(model_dir, gguf, torch.float32, device)
+        measured = {"perplexity": perplexity(model, token_windows(str(heldout), tokenizer, seq_len, windows))["perplexity"],
+                    **scored_on}
+        reference.write_text(json.dumps(measured))
+        del model
+    return measured["perplexity"]
 
 
 def run_splits(data_dir: Path, left_out: str | None) -> tuple[str, Path]:

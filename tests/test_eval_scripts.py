@@ -207,6 +207,33 @@ def test_heal_benchmark_refuses_a_directory_converted_with_other_settings(tmp_pa
     assert run.returncode != 0 and "use another --output-dir" in run.stderr
     run = _heal_script("--output-dir", str(out), "--data", "mix-code", "--rope-dim", "32")  # another rotary key size
     assert run.returncode != 0 and '"rope_dim": 32' in run.stderr
+    # the calibration mix is part of the record: one that matches in all else but does not name it is refused
+    from transmla_tool.methods import resolve_method
+
+    (out / "conversion.json").write_text(json.dumps({"latent_dim": 128, "calib_samples": 128, "overrides": [],
+                                                     "method": resolve_method("default", []).as_dict()}))
+    run = _heal_script("--output-dir", str(out), "--data", "mix-code")
+    assert run.returncode != 0 and '"calib": "mix-code"' in run.stderr
+
+
+def test_heal_original_perplexity_is_measured_again_for_other_windows(make_model, text_file, tmp_path):
+    """original.json is reused only for the windows it was measured on: a rerun at another --seq-len (or window
+    count) in the same directory measures the original again instead of dividing by the other length's number."""
+    import torch
+
+    heal_script = _eval_module("heal")
+    model = str(make_model("llama", kv_heads=2))
+    reference = tmp_path / "original.json"
+    device = torch.device("cpu")
+    at_64 = heal_script.original_perplexity(reference, model, None, text_file, 64, 4, device)
+    assert json.loads(reference.read_text()) == {"perplexity": at_64, "seq_len": 64, "windows": 4,
+                                                 "heldout": text_file.name}
+    reference.write_text(json.dumps({**json.loads(reference.read_text()), "perplexity": 1.0}))  # marks a reuse
+    assert heal_script.original_perplexity(reference, model, None, text_file, 64, 4, device) == 1.0
+    at_128 = heal_script.original_perplexity(reference, model, None, text_file, 128, 4, device)
+    assert at_128 not in (1.0, at_64) and json.loads(reference.read_text())["seq_len"] == 128
+    reference.write_text(json.dumps({"perplexity": 1.0}))  # a record from before the windows were recorded
+    assert heal_script.original_perplexity(reference, model, None, text_file, 128, 4, device) == at_128
 
 
 def test_heal_frontier_only_adds_cache_types_to_a_finished_run(tmp_path, monkeypatch):
