@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="micro-batches per optimizer step: --batch-size 4 --grad-accum 4 is batch 16 in the "
                              "memory of 4")
     parser.add_argument("--lr", type=float, default=3e-5)
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="recompute activations in the backward (heal --gradient-checkpointing): what keeps an "
+                             "8192-token window in ~6 GB on SmolLM2 (docs/long-context.md)")
     parser.add_argument("--train", default="attention")
     parser.add_argument("--lm-weight", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0,
@@ -186,6 +189,7 @@ def main() -> None:
         model=str(converted), output=str(healed), data=data, teacher=model_dir, teacher_gguf_file=gguf,
         max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
         lr=args.lr, train=args.train, lm_weight=args.lm_weight, cache_type=args.cache_type, eval_data=str(heldout),
+        gradient_checkpointing=args.gradient_checkpointing,
         seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows, save_every=args.save_every,
         save_total_limit=args.save_total_limit, resume=args.resume, overwrite=not args.resume,
     ))
