@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--frontier-ctx", type=int, default=512,
                         help="llama-perplexity window length of the frontier placement (the serving length)")
     parser.add_argument("--eval-windows", type=int, default=16)
+    parser.add_argument("--eval-seq-len", type=int, default=None,
+                        help="length of the held-out windows, the original's included (default: --seq-len): e.g. "
+                        "heal at 512 and score at 8192, beside a run healed at 8192")
     parser.add_argument("--save-every", type=int, default=25)
     parser.add_argument("--save-total-limit", type=int, default=2,
                         help="resumable checkpoints kept, the newest (each holds the trained tensors and their "
@@ -182,7 +185,8 @@ def main() -> None:
         timing = {k: done[k] for k in ("wall_time_s", "peak_rss_mb", "peak_gpu_mb", "stages")}
         (out / "conversion-time.json").write_text(json.dumps({**timing, "device": str(device)}, indent=2))
 
-    original = original_perplexity(out / "original.json", model_dir, gguf, heldout, args.seq_len, args.eval_windows,
+    eval_seq_len = args.eval_seq_len or args.seq_len
+    original = original_perplexity(out / "original.json", model_dir, gguf, heldout, eval_seq_len, args.eval_windows,
                                    device)
 
     summary = heal(HealSettings(
@@ -190,12 +194,14 @@ def main() -> None:
         max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
         lr=args.lr, train=args.train, lm_weight=args.lm_weight, cache_type=args.cache_type, eval_data=str(heldout),
         gradient_checkpointing=args.gradient_checkpointing,
-        seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows, save_every=args.save_every,
+        seed=args.seed, eval_every=args.eval_every, eval_windows=args.eval_windows, eval_seq_len=args.eval_seq_len,
+        save_every=args.save_every,
         save_total_limit=args.save_total_limit, resume=args.resume, overwrite=not args.resume,
     ))
     rows = [json.loads(line) for line in (Path(f"{healed}.ckpt") / "log.jsonl").read_text().splitlines()]
     scored = f"held-out {heldout.name}" if args.data.startswith("mix-") else "held-out news"
-    setup = f"{args.data} ({scored}), lr {args.lr:g}, train {args.train}"
+    setup = (f"{args.data} ({scored}, {args.eval_windows} windows of {eval_seq_len} tokens), windows of "
+             f"{args.seq_len} tokens, lr {args.lr:g}, train {args.train}")
     if args.seed:
         setup += f", seed {args.seed}"
     if args.cache_type:

@@ -211,6 +211,7 @@ def test_accelerate_launch_two_cpu_processes(teacher_and_student, text_file, tmp
     (dict(lr=1e-3), "lr 0.003 -> 0.001"),
     (dict(batch_size=2), "batch_size 4 -> 2"),
     (dict(seq_len=32), "seq_len 64 -> 32"),
+    (dict(eval_seq_len=128), "eval_seq_len None -> 128"),  # logged perplexities of two lengths would mix
 ])
 def test_resume_refuses_other_settings(teacher_and_student, text_file, tmp_path, change, needle):
     from transmla_tool.errors import UserError
@@ -232,7 +233,29 @@ def test_resume_refuses_other_settings(teacher_and_student, text_file, tmp_path,
     assert json.loads((out / "healing.json").read_text())["steps"] == 6
 
 
+def test_heal_scores_held_out_windows_of_eval_seq_len(teacher_and_student, text_file, tmp_path):
+    """Trained on 32-token windows, scored on 96-token ones: the logged step-0 perplexity is the converted model's
+    own on 96-token windows, not on the training length's."""
+    from transmla_tool.data import token_windows
+    from transmla_tool.evaluate.models import load_tokenizer
+    from transmla_tool.evaluate.perplexity import perplexity
+
+    teacher, student = teacher_and_student
+    out = tmp_path / "h"
+    heal(_settings(teacher, student, text_file, out, seq_len=32, eval_seq_len=96, eval_windows=3, max_steps=1,
+                   eval_every=1))
+    logged = _log(out)[0]["eval_perplexity"]
+    model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(str(student), None)
+    with torch.no_grad():
+        at = {n: perplexity(model, token_windows(str(text_file), tokenizer, n, 3), progress=False)["perplexity"]
+              for n in (32, 96)}
+    assert logged == pytest.approx(at[96], rel=1e-4) and abs(at[96] - at[32]) > 1e-3 * at[32], (logged, at)
+    assert json.loads((out / "healing.json").read_text())["settings"]["eval_seq_len"] == 96
+
+
 @pytest.mark.parametrize("flags,needle", [
+    (["--eval-seq-len", "0"], "--eval-seq-len must be >= 1"),
     (["--max-steps", "0"], "--max-steps must be >= 1"),
     (["--max-steps", "-3"], "--max-steps must be >= 1"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),

@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-data", default=None, help="held-out text for perplexity during training")
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--eval-windows", type=int, default=16)
+    p.add_argument("--eval-seq-len", type=int, default=None,
+                   help="length of the held-out windows (default: --seq-len); e.g. train at 512 and score at 8192")
     p.add_argument("--checkpoint-dir", default=None, help="default: <output>.ckpt")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--seed", type=int, default=0)

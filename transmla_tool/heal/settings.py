@@ -48,6 +48,8 @@ class HealSettings:
     eval_data: str | None = None
     eval_every: int = 0
     eval_windows: int = 16
+    # length of the held-out windows (None: seq_len): train on short windows and score at the serving length
+    eval_seq_len: int | None = None
     checkpoint_dir: str | None = None  # default: <output>.ckpt
     resume: bool = False
     shuffle_buffer: int = 1024
@@ -71,6 +73,8 @@ class HealSettings:
             raise UserError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
         if min(self.seq_len, self.batch_size, self.grad_accum) < 1 or self.temperature <= 0:
             raise UserError("--seq-len, --batch-size and --grad-accum must be >= 1, --temperature > 0")
+        if self.eval_seq_len is not None and self.eval_seq_len < 1:
+            raise UserError(f"--eval-seq-len must be >= 1 (leave it out to score at --seq-len), got {self.eval_seq_len}")
         if self.loss_chunk < 0:
             raise UserError(f"--loss-chunk must be >= 0 (0: whole windows), got {self.loss_chunk}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
