@@ -225,8 +225,10 @@ def original_perplexity(reference: Path, model_dir: str, gguf: str | None, heldo
     if {k: measured.get(k) for k in scored_on} != scored_on:
         tokenizer = load_tokenizer(model_dir, gguf)
         model = load_model(model_dir, gguf, torch.float32, device)
-        measured = {"perplexity": perplexity(model, token_windows(str(heldout), tokenizer, seq_len, windows))["perplexity"],
-                    **scored_on}
+        # one 8192-token window at a time: a batch of them holds GBs of whole-window logits
+        batch = max(1, min(4, 4096 // seq_len))
+        measured = {"perplexity": perplexity(model, token_windows(str(heldout), tokenizer, seq_len, windows),
+                                             batch_size=batch)["perplexity"], **scored_on}
         reference.write_text(json.dumps(measured))
         del model
     return measured["perplexity"]

@@ -233,17 +233,28 @@ def test_resume_refuses_other_settings(teacher_and_student, text_file, tmp_path,
     assert json.loads((out / "healing.json").read_text())["steps"] == 6
 
 
-def test_heal_scores_held_out_windows_of_eval_seq_len(teacher_and_student, text_file, tmp_path):
+def test_heal_scores_held_out_windows_of_eval_seq_len(teacher_and_student, text_file, tmp_path, monkeypatch):
     """Trained on 32-token windows, scored on 96-token ones: the logged step-0 perplexity is the converted model's
-    own on 96-token windows, not on the training length's."""
+    own on 96-token windows, not on the training length's, and their logits are read a --loss-chunk at a time
+    although the training windows are shorter than it."""
     from transmla_tool.data import token_windows
     from transmla_tool.evaluate.models import load_tokenizer
     from transmla_tool.evaluate.perplexity import perplexity
 
+    import transmla_tool.heal.train as train
+
     teacher, student = teacher_and_student
     out = tmp_path / "h"
+    read, scored = train.window_nll, []
+
+    def recording(model, ids, chunk):  # the held-out windows' logits are read 48 positions at a time
+        scored.append((ids.shape[1], chunk))
+        return read(model, ids, chunk)
+
+    monkeypatch.setattr(train, "window_nll", recording)
     heal(_settings(teacher, student, text_file, out, seq_len=32, eval_seq_len=96, eval_windows=3, max_steps=1,
-                   eval_every=1))
+                   eval_every=1, loss_chunk=48))
+    assert scored and set(scored) == {(96, 48)}, scored
     logged = _log(out)[0]["eval_perplexity"]
     model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32).eval()
     tokenizer = load_tokenizer(str(student), None)

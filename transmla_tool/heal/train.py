@@ -213,7 +213,11 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
             teacher = teacher.to(accelerator.device)  # frozen: no DDP/DeepSpeed wrapper needed
         teacher.eval()
 
-    chunk = _loss_chunk(settings, accelerator)
+    chunk = _loss_chunk(settings, accelerator, settings.seq_len)
+    # held-out windows longer than the training ones (--eval-seq-len) read their logits a chunk at a time too: an
+    # 8192-token window's are 1.6 GB for SmolLM2 before the softmax, even when training reads 512 whole
+    eval_len = settings.eval_seq_len or settings.seq_len
+    eval_chunk = chunk if eval_len == settings.seq_len else _loss_chunk(settings, accelerator, eval_len)
     student_hidden = FinalHidden(student) if chunk else None
     teacher_hidden = FinalHidden(teacher) if chunk and teacher is not None else None
 
@@ -239,9 +243,9 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
         _restart_log(log_path, state["step"] if resume_from is not None else None)
         if eval_windows is not None and state["step"] == 0:
             _log(log_path, {"step": 0, "tokens": 0,
-                            "eval_perplexity": evaluate_perplexity(student, eval_windows, accelerator, chunk)})
+                            "eval_perplexity": evaluate_perplexity(student, eval_windows, accelerator, eval_chunk)})
     elif eval_windows is not None and state["step"] == 0:
-        evaluate_perplexity(student, eval_windows, accelerator, chunk)
+        evaluate_perplexity(student, eval_windows, accelerator, eval_chunk)
 
     student.train()
     # the training loop's own peak: loading and the export are not what --seq-len changes. The reset also resets
@@ -304,7 +308,7 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
             bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
         if eval_windows is not None and settings.eval_every and (
                 state["step"] % settings.eval_every == 0 or state["step"] == total_steps):
-            metrics["eval_perplexity"] = evaluate_perplexity(student, eval_windows, accelerator, chunk)
+            metrics["eval_perplexity"] = evaluate_perplexity(student, eval_windows, accelerator, eval_chunk)
             student.train()
         if main:
             _log(log_path, metrics)
@@ -343,17 +347,18 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
     return summary
 
 
-def _loss_chunk(settings: HealSettings, accelerator) -> int:
-    """Positions whose logits the loss holds at once: --loss-chunk when the windows are longer, else 0 (whole
-    windows, as the model's forward gives them). FSDP shards the output layer outside the forward: whole windows."""
+def _loss_chunk(settings: HealSettings, accelerator, length: int) -> int:
+    """Positions whose logits the loss holds at once for windows of `length`: --loss-chunk when the windows are
+    longer, else 0 (whole windows, as the model's forward gives them). FSDP shards the output layer outside the
+    forward: whole windows."""
     from accelerate.utils import DistributedType
 
-    if not settings.loss_chunk or settings.seq_len <= settings.loss_chunk:
+    if not settings.loss_chunk or length <= settings.loss_chunk:
         return 0
     if accelerator.distributed_type == DistributedType.FSDP:
         if accelerator.is_main_process:
             print(f"heal: --loss-chunk {settings.loss_chunk} is not applied under FSDP (the output layer is sharded "
-                  f"outside the forward); the loss reads {settings.seq_len}-position logits whole")
+                  f"outside the forward); {length}-token windows' logits are read whole")
         return 0
     return settings.loss_chunk
 
