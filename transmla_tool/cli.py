@@ -105,7 +105,8 @@ def cmd_heal(args) -> int:
         gradient_checkpointing=args.gradient_checkpointing, loss_chunk=args.loss_chunk,
         mixed_precision=args.mixed_precision,
         save_every=args.save_every, save_total_limit=args.save_total_limit, eval_data=args.eval_data, eval_every=args.eval_every,
-        eval_windows=args.eval_windows, eval_seq_len=args.eval_seq_len, checkpoint_dir=args.checkpoint_dir, resume=args.resume, seed=args.seed,
+        eval_windows=args.eval_windows, eval_seq_len=args.eval_seq_len, checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume, seed=args.seed,
         overwrite=args.overwrite, progress=not args.no_progress,
     ))
     print(heal_line(summary, args.output))

@@ -234,8 +234,8 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
                             skip=state["batches"])
     eval_windows = None
     if settings.eval_data:
-        eval_windows = token_windows(settings.eval_data, tokenizer, settings.eval_seq_len or settings.seq_len,
-                                     settings.eval_windows, settings.text_field)
+        eval_windows = token_windows(settings.eval_data, tokenizer, eval_len, settings.eval_windows,
+                                     settings.text_field)
     log_path = ckpt_dir / "log.jsonl"
     if main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
