@@ -27,6 +27,7 @@ from the training log; `--resume` continues an interrupted run from its last che
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after healing, place the conversion and the healed model on the frontier: llama.cpp "
                         "perplexity on the held-out text under these cache types (e.g. f16,q8_0,q4_0; the original "
                         "under the same types), beside the bytes each allocates (needs `make engines`)")
+    parser.add_argument("--frontier-original-types", default=None,
+                        help="the original's cache types on the frontier (default: --cache-types; f16, the "
+                        "reference, always): e.g. f16 alone where its quantized caches were scored elsewhere")
     parser.add_argument("--frontier-chunks", type=int, default=16, help="llama-perplexity windows of --frontier-ctx")
     parser.add_argument("--frontier-ctx", type=int, default=512,
                         help="llama-perplexity window length of the frontier placement (the serving length)")
@@ -127,6 +131,7 @@ def main() -> None:
         method = resolve_method("default", args.overrides)  # a bad --set fails here, before any work
         check_cache_type(args.cache_type)
         cache_types = parse_cache_types(args.cache_types) if args.cache_types else []
+        original_types = parse_cache_types(args.frontier_original_types) if args.frontier_original_types else None
         if cache_types:
             from transmla_tool.engines.llamacpp import llama_cpp_bin
 
@@ -155,7 +160,7 @@ def main() -> None:
         checkpoints = {"converted": converted, f"healed {tokens} tokens": healed}
         checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device))
         place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks,
-                          args.frontier_ctx)
+                          args.frontier_ctx, original_types)
         return
     record = out / "conversion.json"
     # the resolved method too: `default` changes between releases, and a rerun must not reuse an older default's
@@ -212,7 +217,7 @@ def main() -> None:
         checkpoints = {"converted": converted, f"healed {summary['tokens']} tokens": healed}
         checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device))
         place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks,
-                          args.frontier_ctx)
+                          args.frontier_ctx, original_types)
 
 
 def original_perplexity(reference: Path, model_dir: str, gguf: str | None, heldout: Path, seq_len: int, windows: int,
@@ -279,10 +284,11 @@ def with_rebalanced(checkpoints: dict, balance: str | None, calib: str, device: 
 
 
 def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, heldout: Path, cache_types: list[str],
-                      chunks: int, ctx: int = 512) -> None:
-    """llama.cpp perplexity of the original and of each checkpoint on the held-out documents under each cache type:
-    where healing moves the model on the quality-per-byte frontier. Appends a table to heal.md; frontier.json keeps
-    the types scored before and adds these."""
+                      chunks: int, ctx: int = 512, original_types: list[str] | None = None) -> None:
+    """llama.cpp perplexity of the original and of each checkpoint on the held-out documents under each cache type
+    (the original under original_types, default the same, f16 always): where healing moves the model on the
+    quality-per-byte frontier. Appends a table to heal.md; frontier.json keeps the types scored before and adds
+    these."""
     import tempfile
 
     from transmla_tool.engines.llamacpp import build_label, llama_cpp_version
@@ -290,8 +296,25 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
 
     text = out / "heldout.txt"
     text.write_text("\n\n".join(json.loads(line)["text"] for line in heldout.read_text().splitlines() if line.strip()))
+    # each score is kept as it comes (one 4-bit run at 8192 tokens takes 10-18 minutes on 2 cores): a rerun of the
+    # same placement, same build, windows and text, measures only what the interrupted one had not
+    partial = out / "frontier.partial.json"
+    run = {"version": llama_cpp_version(), "chunks": chunks, "ctx": ctx,
+           "text_sha256": hashlib.sha256(text.read_bytes()).hexdigest()}
+    known = {}
+    if partial.exists():
+        record = json.loads(partial.read_text())
+        if all(record.get(k) == v for k, v in run.items()):
+            known = record["scored"]
+            print(f"{partial}: {sum(map(len, known.values()))} score(s) of an interrupted placement kept")
+
+    def keep(key: str, entry: str, measured: dict) -> None:
+        known.setdefault(key, {})[entry] = measured
+        partial.write_text(json.dumps({**run, "scored": known}, indent=2))
+
     with tempfile.TemporaryDirectory() as tmp:
-        scored = score_in_llamacpp(model_dir, gguf, checkpoints, text, ctx, chunks, cache_types, cache_types, tmp)
+        scored = score_in_llamacpp(model_dir, gguf, checkpoints, text, ctx, chunks, original_types or cache_types,
+                                   cache_types, tmp, known=known, on_scored=keep)
     engine = {"version": llama_cpp_version(),
               "cpu_kernels": sorted({m["cpu_kernels"] for types in scored.values() for m in types.values()})}
     earlier = json.loads((out / "frontier.json").read_text()) if (out / "frontier.json").exists() else {}
@@ -311,6 +334,7 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
               for key, types in scored.items() for entry, m in types.items()]
     (out / "frontier.json").write_text(json.dumps({"scored": scored, "chunks": chunks, "ctx": ctx, "engine": engine},
                                                   indent=2))
+    partial.unlink(missing_ok=True)
     lines = ["", f"## Where it lands: llama.cpp perplexity on {heldout.name} per cache byte ({chunks} windows of {ctx})",
              "", f"({build_label(engine['version'], engine['cpu_kernels'])})",
              "", *markdown_table(points, scored["original"]["f16"]["bytes"])]

@@ -253,7 +253,7 @@ def test_heal_frontier_only_adds_cache_types_to_a_finished_run(tmp_path, monkeyp
     (out / "frontier.json").write_text(json.dumps({"scored": before, "chunks": 16, "engine": engine}))
     new = {"perplexity": 12.1, "bytes": 108.0, "chunks": 16, "cpu_kernels": kernels}
 
-    def score(original, gguf, checkpoints, text, ctx, chunks, original_types, converted_types, tmp):
+    def score(original, gguf, checkpoints, text, ctx, chunks, original_types, converted_types, tmp, **_):
         assert list(checkpoints) == ["healed 8 tokens"] and converted_types == ["iq4_nl"]
         return {"original": {"f16": before["original"]["f16"]}, "healed 8 tokens": {"iq4_nl": new}}
 
@@ -272,6 +272,63 @@ def test_heal_frontier_only_adds_cache_types_to_a_finished_run(tmp_path, monkeyp
     record = json.loads((out / "frontier.json").read_text())
     assert record["ctx"] == 2048 and record["scored"]["healed 8 tokens"] == {"iq4_nl": new}
     assert "(16 windows of 2048)" in (out / "heal.md").read_text()
+
+
+def test_heal_frontier_placement_resumes_after_an_interruption(tmp_path, monkeypatch):
+    """Each llama.cpp score is kept as it comes (frontier.partial.json): a placement killed midway, rerun, measures
+    only what was left, and exports only the models still unscored; a partial record of other windows is ignored.
+    The engine is a stand-in that counts what it is asked; frontier.json appears only once everything is scored."""
+    import transmla_tool.engines.llamacpp as llamacpp
+    import transmla_tool.gguf_export as gguf_export
+
+    heal_script = _eval_module("heal")
+    out, heldout = tmp_path / "run", tmp_path / "heldout.jsonl"
+    out.mkdir()
+    heldout.write_text(json.dumps({"text": "held-out words"}) + "\n")
+    calls, made, fail_at = [], [], [None]
+
+    def write(path):
+        Path(path).write_bytes(b"gguf")
+        made.append(Path(path).name)
+
+    def score(model_file, text, ctx, chunks, entries, flags=None):
+        calls.append((Path(model_file).name, *entries))
+        assert Path(model_file).exists() and ctx == 8192 and chunks == 2
+        if len(calls) == fail_at[0]:
+            raise RuntimeError("killed")
+        return {entries[0]: {"perplexity": 10.0 + len(calls), "bytes": 108.0, "chunks": 2, "cpu_kernels": "AVX2"}}
+
+    monkeypatch.setattr(llamacpp, "llama_cpp_version", lambda: "llama.cpp test")
+    monkeypatch.setattr(llamacpp, "quantize", lambda src, dst, *a, **k: write(dst))
+    monkeypatch.setattr(llamacpp, "perplexity_per_cache_type", score)
+    monkeypatch.setattr(gguf_export, "export_gguf", lambda s: (write(s.output), {"run_flags": ["-mla"]})[1])
+    models = {"converted": out / "converted", "healed 8 tokens": out / "healed"}
+
+    def place():
+        heal_script.place_on_frontier(out, "model", "model.gguf", models, heldout, ["iq4_nl"], 2, 8192, ["f16"])
+
+    fail_at[0] = 3  # killed while scoring the healed model
+    with pytest.raises(RuntimeError, match="killed"):
+        place()
+    assert not (out / "frontier.json").exists()
+    assert json.loads((out / "frontier.partial.json").read_text())["scored"] == {
+        "original": {"f16": {"perplexity": 11.0, "bytes": 108.0, "chunks": 2, "cpu_kernels": "AVX2"}},
+        "converted": {"iq4_nl": {"perplexity": 12.0, "bytes": 108.0, "chunks": 2, "cpu_kernels": "AVX2"}}}
+    calls.clear(), made.clear()
+    fail_at[0] = None
+    place()
+    assert calls == [("checkpoint-healed 8 tokens-f32.gguf", "iq4_nl")]
+    assert made == ["checkpoint-healed 8 tokens-f32.gguf"]  # neither the original nor the conversion re-exported
+    record = json.loads((out / "frontier.json").read_text())
+    assert {k: {t: m["perplexity"] for t, m in v.items()} for k, v in record["scored"].items()} == {
+        "original": {"f16": 11.0}, "converted": {"iq4_nl": 12.0}, "healed 8 tokens": {"iq4_nl": 11.0}}
+    assert not (out / "frontier.partial.json").exists()
+    # a partial record of other windows (here 512 tokens) is not taken: everything is measured again
+    (out / "frontier.partial.json").write_text(json.dumps({
+        "version": "llama.cpp test", "chunks": 2, "ctx": 512, "text_sha256": "x", "scored": record["scored"]}))
+    calls.clear()
+    place()
+    assert [c[1] for c in calls] == ["f16", "iq4_nl", "iq4_nl"]
 
 
 def test_heal_frontier_only_never_merges_scores_of_another_llama_cpp_build(tmp_path, monkeypatch, capsys):

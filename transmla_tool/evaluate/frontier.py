@@ -248,34 +248,52 @@ def _pair(value) -> tuple[float, float] | None:
 
 
 def score_in_llamacpp(original: str, gguf_file: str, checkpoints: dict, text_file, ctx: int, chunks: int,
-                      original_types: list[str], converted_types: list[str], tmp, tasks=None) -> dict:
+                      original_types: list[str], converted_types: list[str], tmp, tasks=None, known=None,
+                      on_scored=None) -> dict:
     """{"original" | str(key): {cache type: {"perplexity", "bytes"[, "benchmark"]}}} measured by llama-perplexity for
     the checkpoints {key: directory}: the original GGUF re-typed to F32 (the values the conversion read), each
     checkpoint exported f32. tasks(model_file, cache, run_flags) -> (mean, stderr), when given, adds each model's
-    benchmark mean under each cache type."""
+    benchmark mean under each cache type. known: scores of an interrupted run in the same form, taken as they are
+    and not measured again (a model all of whose types are known is not even exported); on_scored(key, type,
+    measurement) is called after each measurement, so a caller can keep them as they come."""
     from pathlib import Path
 
     from ..engines.llamacpp import perplexity_per_cache_type, quantize
     from ..gguf_export import GGUFSettings, export_gguf
 
     tmp = Path(tmp)
-    source = tmp / "original-f32.gguf"
-    quantize(Path(original) / gguf_file, source, "F32", allow_requantize=True)
+    known = known or {}
+    scored = {}
+
+    def measure(key: str, entries: list[str], model_file, flags: list) -> None:
+        """Scores `key` under each entry not known yet, into scored[key] beside the known ones."""
+        done = {entry: known[key][entry] for entry in entries if entry in known.get(key, {})}
+        for entry in entries:
+            if entry in done:
+                continue
+            done.update(perplexity_per_cache_type(model_file, text_file, ctx, chunks, [entry], flags))
+            if tasks is not None:
+                done[entry]["benchmark"] = tasks(model_file, entry, flags)
+            if on_scored is not None:
+                on_scored(key, entry, done[entry])
+        scored[key] = {entry: done[entry] for entry in entries}  # in the order asked
+
+    def unknown(key: str, entries: list[str]) -> bool:
+        return any(entry not in known.get(key, {}) for entry in entries)
+
     types = original_types if "f16" in original_types else ["f16", *original_types]
-    scored = {"original": perplexity_per_cache_type(source, text_file, ctx, chunks, types)}
-    if tasks is not None:
-        for entry in types:
-            scored["original"][entry]["benchmark"] = tasks(source, entry, [])
-    source.unlink()
+    source = tmp / "original-f32.gguf"
+    if unknown("original", types):
+        quantize(Path(original) / gguf_file, source, "F32", allow_requantize=True)
+    measure("original", types, source, [])
+    source.unlink(missing_ok=True)
     mla_types = list(dict.fromkeys(split_types(t)[0] for t in converted_types))
     for key, path in checkpoints.items():
-        model_file = tmp / f"checkpoint-{key}-f32.gguf"
-        exported = export_gguf(GGUFSettings(checkpoint=str(path), output=str(model_file), outtype="f32",
-                                            tokenizer_gguf=str(Path(original) / gguf_file), overwrite=True))
-        scored[str(key)] = perplexity_per_cache_type(model_file, text_file, ctx, chunks, mla_types,
-                                                     exported["run_flags"])
-        if tasks is not None:
-            for entry in mla_types:
-                scored[str(key)][entry]["benchmark"] = tasks(model_file, entry, exported["run_flags"])
-        model_file.unlink()
+        model_file, flags = tmp / f"checkpoint-{key}-f32.gguf", []
+        if unknown(str(key), mla_types):
+            flags = export_gguf(GGUFSettings(checkpoint=str(path), output=str(model_file), outtype="f32",
+                                             tokenizer_gguf=str(Path(original) / gguf_file),
+                                             overwrite=True))["run_flags"]
+        measure(str(key), mla_types, model_file, flags)
+        model_file.unlink(missing_ok=True)
     return scored
