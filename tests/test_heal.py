@@ -265,6 +265,34 @@ def test_heal_scores_held_out_windows_of_eval_seq_len(teacher_and_student, text_
     assert json.loads((out / "healing.json").read_text())["settings"]["eval_seq_len"] == 96
 
 
+def test_the_training_peak_leaves_out_the_held_out_evaluations(teacher_and_student, text_file, tmp_path,
+                                                              monkeypatch):
+    """healing.json's train_peak_rss_mb is the training steps' own peak: an evaluation between them that touches
+    600 MB more (as long held-out windows do, --eval-seq-len) shows in eval_peak_rss_mb and the process's peak, not
+    in the training one."""
+    import numpy as np
+
+    import transmla_tool.heal.train as train
+
+    if train.vm_hwm_mb() is None:
+        pytest.skip("no /proc/self/status here: no peak RSS to read")
+    teacher, student = teacher_and_student
+    evaluate, mb = train.evaluate_perplexity, 600
+
+    def heavy(*args):
+        block = np.ones(mb * 2**20, dtype=np.uint8)  # every page written: resident
+        value = evaluate(*args)
+        del block
+        return value
+
+    monkeypatch.setattr(train, "evaluate_perplexity", heavy)
+    out = tmp_path / "h"
+    heal(_settings(teacher, student, text_file, out, max_steps=2, eval_every=1, eval_windows=2))
+    summary = json.loads((out / "healing.json").read_text())
+    assert summary["eval_peak_rss_mb"] > summary["train_peak_rss_mb"] + 0.8 * mb, summary
+    assert summary["peak_rss_mb"] >= summary["eval_peak_rss_mb"]
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--eval-seq-len", "0"], "--eval-seq-len must be >= 1"),
     (["--max-steps", "0"], "--max-steps must be >= 1"),
@@ -510,9 +538,13 @@ def test_heal_line_says_which_speed_and_which_peak():
     from transmla_tool.cli import heal_line
 
     base = {"steps": 1, "tokens": 8192, "wall_tokens_per_s": 39.6, "output_dtype": "float32",
-            "setup_peak_rss_mb": 2100.4, "train_peak_rss_mb": 5699.0, "peak_rss_mb": 5699.0, "train_peak_gpu_mb": None}
+            "setup_peak_rss_mb": 2100.4, "train_peak_rss_mb": 5699.0, "eval_peak_rss_mb": None, "peak_rss_mb": 5699.0,
+            "train_peak_gpu_mb": None}
     line = heal_line({**base, "tokens_per_s": None}, "out")
     assert "40 tokens/s wall (no steady state" in line and "steady state (wall" not in line
     assert "peak RSS 2100 MB loading / 5699 MB training" in line and "GPU" not in line
+    assert "evaluation" not in line  # none ran
+    line = heal_line({**base, "tokens_per_s": None, "eval_peak_rss_mb": 7912.3}, "out")
+    assert "peak RSS 2100 MB loading / 5699 MB training / 7912 MB held-out evaluation" in line
     line = heal_line({**base, "steps": 4, "tokens_per_s": 41.2, "train_peak_gpu_mb": 900.0}, "out")
     assert "41 tokens/s steady state (wall 40)" in line and line.endswith("peak GPU 900 MB training -> out (float32)")

@@ -115,14 +115,15 @@ def cmd_heal(args) -> int:
 
 def heal_line(summary: dict, output: str) -> str:
     """heal's last line: tokens, speed (steady state only where there was one: a process's first step is set-up),
-    peak memory of loading and of training."""
+    peak memory of loading, of the training steps and of the held-out evaluations between them."""
     steady = summary["tokens_per_s"]
     speed = (f"{steady:.0f} tokens/s steady state (wall {summary['wall_tokens_per_s']:.0f})" if steady
              else f"{summary['wall_tokens_per_s']:.0f} tokens/s wall (no steady state: one step in this process)")
-    memory = ""
-    if summary.get("peak_rss_mb") is not None:
-        memory = (f", peak RSS {summary['setup_peak_rss_mb']:.0f} MB loading / {summary['train_peak_rss_mb']:.0f} MB "
-                  "training")
+    peaks = [(summary.get(key), stage) for key, stage in (("setup_peak_rss_mb", "loading"),
+                                                           ("train_peak_rss_mb", "training"),
+                                                           ("eval_peak_rss_mb", "held-out evaluation"))]
+    peaks = [f"{mb:.0f} MB {stage}" for mb, stage in peaks if mb is not None]
+    memory = f", peak RSS {' / '.join(peaks)}" if peaks else ""
     if summary.get("train_peak_gpu_mb") is not None:
         memory += f", peak GPU {summary['train_peak_gpu_mb']:.0f} MB training"
     return (f"healed {summary['steps']} steps, {summary['tokens']} tokens, {speed}{memory} -> {output} "

@@ -32,7 +32,7 @@ from ..io.staging import (
     marker_of,
     write_marker,
 )
-from ..memory import reset_rss_peak, vm_hwm_mb
+from ..memory import Stages, vm_hwm_mb
 from .checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import train_batches
 from .export import checkpoint_dtype, export
@@ -248,19 +248,15 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
         evaluate_perplexity(student, eval_windows, accelerator, eval_chunk)
 
     student.train()
-    # the training loop's own peak: loading and the export are not what --seq-len changes. The reset also resets
-    # what the kernel reports for the whole process (VmHWM, and getrusage/wait4's ru_maxrss), so the peak of
-    # loading is read first and kept beside it
+    # the training steps' own peak, apart from the held-out evaluations between them (their windows can be longer:
+    # --eval-seq-len) and from loading and the export, none of which --seq-len changes. Each stage resets what the
+    # kernel reports for the whole process (VmHWM, and getrusage/wait4's ru_maxrss), so the peak of loading is read
+    # first and kept beside them
     setup_peak_rss = vm_hwm_mb()
-    reset_rss_peak()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    bar = tqdm(total=total_steps, initial=state["step"], desc="healing", disable=not (settings.progress and main),
-               unit="step")
-    start, start_tokens = time.time(), state["tokens"]
-    steady_seconds, steady_tokens, first_step = 0.0, 0, True
-    while state["step"] < total_steps:
-        step_start = time.perf_counter()
+    stages = Stages(accelerator.device)
+
+    def one_step() -> tuple[float, float, float]:
+        """One optimizer step over --grad-accum micro-batches: its (total, kd, lm) loss."""
         losses = torch.zeros(3, device=accelerator.device)  # (total, kd, lm) summed over the step's micro-batches
         for _ in range(settings.grad_accum):
             ids = next(batches).to(accelerator.device)
@@ -293,7 +289,16 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
         # the step's loss: the mean over its micro-batches and processes (waits for the step to finish on a GPU)
-        loss_value, kd, lm = (float(v) for v in accelerator.reduce(losses, "mean") / settings.grad_accum)
+        return tuple(float(v) for v in accelerator.reduce(losses, "mean") / settings.grad_accum)
+
+    bar = tqdm(total=total_steps, initial=state["step"], desc="healing", disable=not (settings.progress and main),
+               unit="step")
+    start, start_tokens = time.time(), state["tokens"]
+    steady_seconds, steady_tokens, first_step = 0.0, 0, True
+    while state["step"] < total_steps:
+        step_start = time.perf_counter()
+        with stages("train"):
+            loss_value, kd, lm = one_step()
         state["step"] += 1
         state["tokens"] += per_step
         if not first_step:  # the first step of a process pays one-off set-up costs: not steady state
@@ -308,7 +313,8 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
             bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
         if eval_windows is not None and settings.eval_every and (
                 state["step"] % settings.eval_every == 0 or state["step"] == total_steps):
-            metrics["eval_perplexity"] = evaluate_perplexity(student, eval_windows, accelerator, eval_chunk)
+            with stages("evaluate"):
+                metrics["eval_perplexity"] = evaluate_perplexity(student, eval_windows, accelerator, eval_chunk)
             student.train()
         if main:
             _log(log_path, metrics)
@@ -318,8 +324,9 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
         if on_step is not None:
             on_step(state["step"], metrics)
     bar.close()
-    train_peak_rss = vm_hwm_mb()
-    train_peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    train_peak_rss = stages.peak_rss_mb.get("train") if setup_peak_rss is not None else None
+    eval_peak_rss = stages.peak_rss_mb.get("evaluate") if setup_peak_rss is not None else None
+    train_peak_gpu = stages.peak_gpu_mb.get("train")
 
     accelerator.wait_for_everyone()
     save_checkpoint(accelerator, ckpt_dir / f"step-{state['step']}", state, student, optimizer, scheduler,
@@ -335,12 +342,13 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
                # positions whose logits were alive at once (None: whole windows), and the steps that checked it
                "loss_chunk": chunk or None, "loss_chunk_checks": student_hidden.checks if chunk else 0,
                # this process's peak memory (MiB; RSS from the kernel, GPU from torch): loading the models and the
-               # text, the training steps, and the larger of the two (the process's peak up to the export)
-               "setup_peak_rss_mb": None if setup_peak_rss is None else round(setup_peak_rss, 1),
-               "train_peak_rss_mb": None if train_peak_rss is None else round(train_peak_rss, 1),
-               "peak_rss_mb": (None if train_peak_rss is None or setup_peak_rss is None
-                               else round(max(setup_peak_rss, train_peak_rss), 1)),
-               "train_peak_gpu_mb": None if train_peak_gpu is None else round(train_peak_gpu, 1)}
+               # text, the training steps alone, the held-out evaluations between them (None: none ran in this
+               # process), and the process's peak up to the export (the saving of checkpoints included)
+               "setup_peak_rss_mb": _mb(setup_peak_rss), "train_peak_rss_mb": _mb(train_peak_rss),
+               "eval_peak_rss_mb": _mb(eval_peak_rss),
+               "peak_rss_mb": None if setup_peak_rss is None else _mb(max(setup_peak_rss, stages.overall_rss_mb,
+                                                                          vm_hwm_mb() or 0.0)),
+               "train_peak_gpu_mb": _mb(train_peak_gpu)}
     if main:
         export(natural, config, settings, tokenizer, summary, output_dtype)
     accelerator.wait_for_everyone()
@@ -375,6 +383,10 @@ def evaluate_perplexity(model, windows: torch.Tensor, accelerator, chunk: int = 
         count += ids.shape[1] - 1
     nll, count = accelerator.reduce(nll, "sum"), accelerator.reduce(count, "sum")
     return math.exp(float(nll / count))
+
+
+def _mb(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
 
 
 def _dir_mb(path: Path) -> float:
