@@ -337,7 +337,7 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
     partial.unlink(missing_ok=True)
     lines = ["", f"## Where it lands: llama.cpp perplexity on {heldout.name} per cache byte ({chunks} windows of {ctx})",
              "", f"({build_label(engine['version'], engine['cpu_kernels'])})",
-             "", *markdown_table(points, scored["original"]["f16"]["bytes"])]
+             "", *markdown_table(points, scored["original"]["f16"]["bytes"], f"ratio on {heldout.stem}")]
     with open(out / "heal.md", "a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

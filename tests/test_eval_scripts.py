@@ -563,6 +563,7 @@ def test_heal_benchmark_places_its_checkpoints_on_the_frontier(tmp_path, monkeyp
     heal_script.place_on_frontier(tmp_path, "dir", "f.gguf", {}, heldout, ["f16", "q4_0"], 4)
     text = (tmp_path / "heal.md").read_text()
     assert "| healed 4096 tokens | q4_0 | 4.5 | 108 | 7.11 | 1.140 | yes |" in text
+    assert "| ratio on held | frontier |" in text and "worst" not in text  # one kind of text was scored
     assert "| original | q4_0 | 4.5 | 216 | 3.56 | 1.060 |" in text
     assert json.loads((tmp_path / "frontier.json").read_text())["scored"] == scored
 

@@ -104,7 +104,9 @@ def test_sweep_transformers_cache_types_recommend_from_measured_bytes(make_model
     best = min(fits, key=lambda p: (p.ratio, p.bytes))
     assert result["recommendation"]["point"]["cache"] == best.cache
     assert result["recommendation"]["point"]["label"] == best.label
-    assert "Quality per cache byte in transformers" in (out / "sweep.md").read_text()
+    report = (out / "sweep.md").read_text()
+    assert "Quality per cache byte in transformers" in report
+    assert "| x smaller | ratio | frontier |" in report and "worst domain" not in report  # one text, no domains
 
 
 @pytest.mark.parametrize("flags,needle", [

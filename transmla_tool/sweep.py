@@ -316,7 +316,7 @@ def markdown(result: dict) -> str:
             lines += ["", "## Quality per cache byte in llama.cpp (its cache types, flash attention on)", "",
                       "Ratio: llama.cpp perplexity over the original's with an f16 cache on the same text (the "
                       "original as its GGUF re-typed to F32, each latent exported f32).", ""]
-        lines += markdown_table(points_from_sweep(result), originals[reference]["bytes"])
+        lines += markdown_table(points_from_sweep(result), originals[reference]["bytes"], "ratio")
     if "benchmark" in result:
         limit = result["benchmark"]["limit"]
         rows = f" on their first {limit:g} rows" if limit else " on every row"

@@ -163,12 +163,13 @@ def describe(p: Point) -> str:
     return f"{p.label} with a {p.cache} cache ({p.bytes:.0f} B/token/layer, ratio {p.ratio:.3f})"
 
 
-def markdown_table(points: list[Point], reference_bytes: float) -> list[str]:
-    """Rows by bytes: label, cache, bits per value, bytes, fraction of the f16 original, ratio, on the frontier."""
+def markdown_table(points: list[Point], reference_bytes: float, ratio_head: str = "ratio (worst domain)") -> list[str]:
+    """Rows by bytes: label, cache, bits per value, bytes, fraction of the f16 original, ratio, on the frontier.
+    ratio_head names the ratio: the worst kind of text where several were scored, else what the one text is."""
     front = {id(p) for p in pareto(points)}
     bench = any(p.benchmark for p in points)
     extra = (" benchmark mean |", "---|") if bench else ("", "")
-    head = "| model | cache | bits/value | bytes/token/layer | x smaller | ratio (worst domain) | frontier |"
+    head = f"| model | cache | bits/value | bytes/token/layer | x smaller | {ratio_head} | frontier |"
     lines = [head + extra[0],
              "|---|---|---|---|---|---|---|" + extra[1]]
     for p in sorted(points, key=lambda p: (-p.bytes, p.ratio)):
