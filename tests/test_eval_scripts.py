@@ -743,9 +743,10 @@ def test_heal_memory_rows_per_arm_and_length(teacher_and_student, text_file, tmp
     assert got[("chunked-gc", 48)]["loss_chunk_used"] == 24 and got[("chunked-gc", 48)]["loss_chunk_checks"] == 2
     assert got[("chunked-gc", 16)]["loss_chunk_used"] is None  # a window within one chunk is read whole
     assert got[("whole", 48)]["loss_chunk_used"] is None
-    for r in rows:  # loading and training each read from the kernel; the process's peak is the larger
+    for r in rows:  # loading and training each read from the kernel; the process's peak covers both, and the saving of
+        # the last checkpoint after them (on CI that added 0.3 MiB over the training's own peak)
         assert r["setup_peak_rss_mb"] > 100 and r["train_peak_rss_mb"] > 100
-        assert r["peak_rss_mb"] == max(r["setup_peak_rss_mb"], r["train_peak_rss_mb"])
+        assert r["peak_rss_mb"] >= max(r["setup_peak_rss_mb"], r["train_peak_rss_mb"])
     assert "| chunked-gc | 24 | yes | 48 |" in (tmp_path / "hm" / "heal_memory.md").read_text()
     again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "==" not in again.stdout

@@ -18,12 +18,21 @@ def reset_rss_peak() -> None:
         pass
 
 
+def vm_rss_mb() -> float | None:
+    """Resident memory now, in MiB, or None where /proc is absent."""
+    return _status_mb("VmRSS:")
+
+
 def vm_hwm_mb() -> float | None:
     """Peak RSS since the last reset, in MiB, or None where /proc is absent."""
+    return _status_mb("VmHWM:")
+
+
+def _status_mb(field: str) -> float | None:
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field):
                     return int(line.split()[1]) / 1024
     except OSError:
         return None
