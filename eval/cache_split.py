@@ -27,7 +27,12 @@ import torch
 from transmla_tool.data import token_windows
 from transmla_tool.evaluate.perplexity import perplexity
 from transmla_tool.heal.model import to_natural
-from transmla_tool.ops.basis import balance_rope_key
+from transmla_tool.ops.basis import (
+    balance_latent,
+    balance_rope_key,
+    latent_rotation,
+    rotate_latent,
+)
 from transmla_tool.ops.kv_quant import SIMULATED_CACHE_TYPES, quantize_dequantize
 from transmla_tool.rebalance import assign_weights, attention_input_moments
 
@@ -39,6 +44,9 @@ def main() -> None:
     parser.add_argument("--calib-data", required=True, help="text the rotary-key energies are measured on")
     parser.add_argument("--cache-types", default="q4_0,iq4_nl")
     parser.add_argument("--powers", default="0.3,0.5", help="rotary-key balance powers p to try (0 = as converted)")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="also score the latent, and the whole row, with the latent balanced to its output "
+                             "sensitivity, then Hadamard-rotated (ops/basis.balance_latent: exact)")
     parser.add_argument("--windows", type=int, default=8, help="scored windows of --seq-len tokens")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--output", default=None, help="also write the rows as JSON here")
@@ -47,7 +55,7 @@ def main() -> None:
     if not types or any(t not in SIMULATED_CACHE_TYPES for t in types):
         raise SystemExit(f"--cache-types: choose from {', '.join(SIMULATED_CACHE_TYPES)}, got {args.cache_types!r}")
     rows = split(args.model, args.data, args.calib_data, types, [float(p) for p in args.powers.split(",")],
-                 args.windows, args.seq_len)
+                 args.windows, args.seq_len, args.sensitivity)
     for row in rows:
         print(f"{row['cache']:8s} {row['quantized']:24s} perplexity {row['perplexity']:.3f}  ratio {row['ratio']:.4f}")
     if args.output:
@@ -55,9 +63,10 @@ def main() -> None:
 
 
 def split(model_dir: str, data: str, calib: str, types: list[str], powers: list[float], windows: int,
-          seq_len: int = 512) -> list[dict]:
+          seq_len: int = 512, sensitivity: bool = False) -> list[dict]:
     """Rows {cache, quantized, perplexity, ratio}: the exact cache first, then per type the whole row, the latent
-    alone, the rotary key alone, and the whole row after balancing the rotary key at each power."""
+    alone, the rotary key alone, the whole row after balancing the rotary key at each power, and (sensitivity) the
+    latent and the whole row with the latent balanced to its output sensitivity."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -97,6 +106,15 @@ def split(model_dir: str, data: str, calib: str, types: list[str], powers: list[
             for a, w, moment in zip(attns, start, moments):
                 assign_weights(a, balance_rope_key(w, moment, power))
             rows.append({"cache": name, "quantized": f"all, rotary key p={power:g}", "perplexity": score(name)})
+            for a, w in zip(attns, start):
+                assign_weights(a, w)
+        if sensitivity:
+            for i, (a, w, moment) in enumerate(zip(attns, start, moments)):
+                assign_weights(a, rotate_latent(balance_latent(w, moment), latent_rotation(latent, "hadamard", i)))
+            rows.append({"cache": name, "quantized": "latent, balanced to its sensitivity",
+                         "perplexity": score(name, "latent")})
+            rows.append({"cache": name, "quantized": "all, latent balanced to its sensitivity",
+                         "perplexity": score(name)})
             for a, w in zip(attns, start):
                 assign_weights(a, w)
     for row in rows:

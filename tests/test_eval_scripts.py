@@ -387,12 +387,17 @@ def test_cache_split_rows(make_model, convert_tiny, text_file):
     plain = dataclasses.replace(PRESETS["closed-form"], latent_basis="pca", rope_key_balance="none")  # PCA-ordered latent
     converted, _, _ = convert_tiny(make_model("llama", kv_heads=2), latent_dim=24, rope_dim=8,
                                    method=plain)  # a row of 32: one block
-    rows = split(str(converted), str(text_file), str(text_file), ["q4_0"], [0.0, 0.3], windows=4, seq_len=64)
+    rows = split(str(converted), str(text_file), str(text_file), ["q4_0"], [0.0, 0.3], windows=4, seq_len=64,
+                 sensitivity=True)
     assert [(r["cache"], r["quantized"]) for r in rows] == [
         ("exact", "nothing"), ("q4_0", "all"), ("q4_0", "latent"), ("q4_0", "rotary key"),
-        ("q4_0", "all, rotary key p=0.3")]
+        ("q4_0", "all, rotary key p=0.3"), ("q4_0", "latent, balanced to its sensitivity"),
+        ("q4_0", "all, latent balanced to its sensitivity")]
     assert rows[0]["ratio"] == 1.0 and all(r["ratio"] > 1.0 for r in rows[1:4])
     assert rows[4]["perplexity"] != rows[1]["perplexity"]
+    assert rows[5]["perplexity"] != rows[2]["perplexity"]  # the balanced latent reads back otherwise
+    # each change is undone before the next: the balanced latent was scored from the model as converted
+    assert split(str(converted), str(text_file), str(text_file), ["q4_0"], [0.0], windows=4, seq_len=64)[:4] == rows[:4]
 
 
 def test_heal_frontier_only_refuses_an_unfinished_run(tmp_path):

@@ -9,9 +9,12 @@ from test_ops import _moment, _random_layer
 
 from transmla_tool.ops.basis import (
     ROPE_KEY_BALANCES,
+    balance_latent,
     balance_rope_key,
     hadamard,
     latent_rotation,
+    latent_sensitivity,
+    latent_statistics,
     rope_pair_energy,
     rotate_latent,
     scale_rope_pairs,
@@ -249,6 +252,30 @@ def test_hadamard_latent_quantizes_better_than_pca_order():
     pca, rotated = error(mla), error(rotate_latent(mla, latent_rotation(48, "hadamard", seed=0)))
     print(f"q4_0 relative output error: pca order {pca:.3e}, hadamard {rotated:.3e}")
     assert rotated < 0.7 * pca
+
+
+def test_latent_balanced_to_its_sensitivity():
+    """balance_latent: an invertible (not orthogonal) change of the latent's basis; the same attention (fp64), every
+    direction's energy equal to its output sensitivity (both Lambda^(1/2), diagonal), and through a q4_0 cache, after
+    the same Hadamard rotation, less of the layer's output lost than with the energy-balanced latent alone."""
+    mla, x, cos, sin = _converted(latent=48, rope=16)
+    moment = _moment(x)
+    balanced = balance_latent(mla, moment)
+    reference = mla_attention(x, mla, cos, sin)
+    assert torch.allclose(mla_attention(x, balanced, cos, sin), reference, atol=1e-10)
+    _, energy = latent_statistics(balanced, moment)
+    sensitivity = latent_sensitivity(balanced, moment)
+    assert torch.allclose(energy, torch.diag(energy.diagonal()), atol=1e-8 * float(energy.max()))
+    assert torch.allclose(energy, sensitivity, rtol=1e-3, atol=1e-8 * float(energy.max()))  # to the ridge
+
+    def error(w):
+        w = rotate_latent(w, latent_rotation(48, "hadamard", seed=0)).to(torch.float32)
+        out = mla_attention(x.float(), w, cos.float(), sin.float(), cache_store=cache_row_store("q4_0", 48))
+        return float((out - reference.float()).pow(2).mean() / reference.pow(2).mean())
+
+    plain, turned = error(mla), error(balanced)
+    print(f"q4_0 relative output error: hadamard {plain:.3e}, balanced then hadamard {turned:.3e}")
+    assert turned < 0.7 * plain
 
 
 def test_quantization_aware_refinement_beats_plain_refinement_on_that_cache():

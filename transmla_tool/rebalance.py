@@ -163,8 +163,10 @@ def attention_input_moments(model, windows: torch.Tensor, batch: int) -> list[to
 
 
 def assign_weights(attn, w) -> None:
-    """Copy the balanced natural weights into a NaturalAttention (only the rotary rows and the queries change)."""
+    """Copy natural weights changed by a change of basis (ops/basis.py) into a NaturalAttention: kv_a, kv_b and the
+    queries (o_proj never changes)."""
     attn.kv_a_proj.weight.data.copy_(w.kv_a)
+    attn.kv_b_proj.weight.data.copy_(w.kv_b)
     if attn.kv_a_proj.bias is not None:
         attn.kv_a_proj.bias.data.copy_(w.kv_a_bias)
     if attn.q_b_proj is not None:
