@@ -33,7 +33,7 @@ from transmla_tool.ops.basis import (
     latent_rotation,
     rotate_latent,
 )
-from transmla_tool.ops.kv_quant import SIMULATED_CACHE_TYPES, quantize_dequantize
+from transmla_tool.ops.kv_quant import SIMULATED_CACHE_TYPES, query_dot_store, quantize_dequantize
 from transmla_tool.rebalance import assign_weights, attention_input_moments
 
 
@@ -65,7 +65,8 @@ def main() -> None:
 def split(model_dir: str, data: str, calib: str, types: list[str], powers: list[float], windows: int,
           seq_len: int = 512, sensitivity: bool = False) -> list[dict]:
     """Rows {cache, quantized, perplexity, ratio}: the exact cache first, then per type the whole row, the latent
-    alone, the rotary key alone, the whole row after balancing the rotary key at each power, and (sensitivity) the
+    alone, the rotary key alone, the whole row with the query also rounded to the type llama.cpp's CPU attention
+    converts it to (q8_0 for every block type; ops/kv_quant.query_dot_store), the whole row after balancing the rotary key at each power, and (sensitivity) the
     latent and the whole row with the latent balanced to its output sensitivity."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -90,9 +91,10 @@ def split(model_dir: str, data: str, calib: str, types: list[str], powers: list[
             return back
         return store
 
-    def score(name: str | None, part: str = "all") -> float:
+    def score(name: str | None, part: str = "all", engine_query: bool = False) -> float:
         for a in attns:
             a.cache_store = None if name is None else read_through(name, part)
+            a.query_store = query_dot_store(name) if engine_query else None
         return perplexity(model, scored, progress=False)["perplexity"]
 
     exact = score(None)
@@ -100,6 +102,9 @@ def split(model_dir: str, data: str, calib: str, types: list[str], powers: list[
     for name in types:
         for part in ("all", "latent", "rotary key"):
             rows.append({"cache": name, "quantized": part, "perplexity": score(name, part)})
+        if query_dot_store(name) is not None:
+            rows.append({"cache": name, "quantized": "all, query rounded as llama.cpp's CPU reads it",
+                         "perplexity": score(name, engine_query=True)})
         for power in powers:
             if power == 0:
                 continue

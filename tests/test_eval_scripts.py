@@ -391,13 +391,15 @@ def test_cache_split_rows(make_model, convert_tiny, text_file):
                  sensitivity=True)
     assert [(r["cache"], r["quantized"]) for r in rows] == [
         ("exact", "nothing"), ("q4_0", "all"), ("q4_0", "latent"), ("q4_0", "rotary key"),
+        ("q4_0", "all, query rounded as llama.cpp's CPU reads it"),
         ("q4_0", "all, rotary key p=0.3"), ("q4_0", "latent, balanced to its sensitivity"),
         ("q4_0", "all, latent balanced to its sensitivity")]
     assert rows[0]["ratio"] == 1.0 and all(r["ratio"] > 1.0 for r in rows[1:4])
-    assert rows[4]["perplexity"] != rows[1]["perplexity"]
-    assert rows[5]["perplexity"] != rows[2]["perplexity"]  # the balanced latent reads back otherwise
+    assert rows[4]["perplexity"] != rows[1]["perplexity"]  # the q8_0 query reads otherwise
+    assert rows[5]["perplexity"] != rows[1]["perplexity"]
+    assert rows[6]["perplexity"] != rows[2]["perplexity"]  # the balanced latent reads back otherwise
     # each change is undone before the next: the balanced latent was scored from the model as converted
-    assert split(str(converted), str(text_file), str(text_file), ["q4_0"], [0.0], windows=4, seq_len=64)[:4] == rows[:4]
+    assert split(str(converted), str(text_file), str(text_file), ["q4_0"], [0.0], windows=4, seq_len=64)[:5] == rows[:5]
 
 
 def test_heal_frontier_only_refuses_an_unfinished_run(tmp_path):

@@ -26,6 +26,7 @@ from transmla_tool.ops.kv_quant import (
     SIMULATED_CACHE_TYPES,
     bytes_per_token_per_layer,
     cache_row_store,
+    query_dot_store,
     quantize_dequantize,
     straight_through,
 )
@@ -276,6 +277,30 @@ def test_latent_balanced_to_its_sensitivity():
     plain, turned = error(mla), error(balanced)
     print(f"q4_0 relative output error: hadamard {plain:.3e}, balanced then hadamard {turned:.3e}")
     assert turned < 0.7 * plain
+
+
+def test_absorbed_query_as_llamacpp_reads_it():
+    """query_store runs attention absorbed (W_UK into the query, values read from the latent, then W_UV): with an
+    identity store it is the same attention; with the engine's rounding (q8_0 for a q4_0 key, the query row
+    [q_nope W_UK | q_rope] quantized in 32-value blocks, computed here by hand) it differs a little; an f16 or f32
+    key's query is read as it is."""
+    mla, x, cos, sin = _converted(latent=48, rope=16)
+    reference = mla_attention(x, mla, cos, sin)
+    assert torch.allclose(mla_attention(x, mla, cos, sin, query_store=lambda q: q), reference, atol=1e-10)
+    seen = []
+    rounding = query_dot_store("q4_0")
+
+    def store(row):
+        seen.append(row)
+        return rounding(row)
+
+    rounded = mla_attention(x, mla, cos, sin, query_store=store)
+    (row,) = seen
+    assert row.shape[-1] == 48 + 16
+    assert torch.equal(rounding(row), quantize_dequantize(row, "q8_0"))
+    change = float((rounded - reference).pow(2).mean() / reference.pow(2).mean())
+    assert 0 < change < 1e-3, change
+    assert query_dot_store("f16") is None and query_dot_store(None) is None
 
 
 def test_quantization_aware_refinement_beats_plain_refinement_on_that_cache():

@@ -35,6 +35,7 @@ class NaturalAttention(nn.Module):
         self.cache_type = cache_type
         self.cache_store = cache_row_store(cache_type, weights.latent_dim)
         self.cache_reads = 0
+        self.query_store = None  # an engine's rounding of the absorbed query (ops/kv_quant.query_dot_store)
         self.dims = dict(num_heads=weights.num_heads, latent_dim=weights.latent_dim, rope_dim=weights.rope_dim,
                          nope_dim=weights.nope_dim, v_dim=weights.v_dim)
         self.q_proj = _linear(weights.q, weights.q_bias)
@@ -56,7 +57,8 @@ class NaturalAttention(nn.Module):
         cos, sin = position_embeddings
         if self.cache_store is not None:
             self.cache_reads += 1
-        return mla_attention(hidden_states, self.weights(), cos, sin, cache_store=self.cache_store), None
+        return mla_attention(hidden_states, self.weights(), cos, sin, cache_store=self.cache_store,
+                             query_store=self.query_store), None
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:

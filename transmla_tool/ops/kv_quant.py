@@ -173,3 +173,18 @@ def cache_row_store(name: str | None, latent_dim: int, stored_latent_dim: int | 
         return torch.cat([back[..., :latent_dim], back[..., latent_dim + extra:]], -1)
 
     return store
+
+
+# the type llama.cpp's CPU attention converts the query to before its dot products with a cached key of each type
+# (ggml-cpu's type traits: vec_dot_type; q8_1 quantizes values as q8_0 does and adds their sum). f16 keys are
+# read by the tiled f32 path in prefill, so their query is not rounded.
+QUERY_DOT_TYPES = {"q8_0": "q8_0", "q5_0": "q8_0", "q5_1": "q8_0", "q4_0": "q8_0", "q4_1": "q8_0", "iq4_nl": "q8_0"}
+
+
+def query_dot_store(name: str | None):
+    """The engine's rounding of an absorbed query row before it meets a cached row of type `name` (llama.cpp's CPU
+    flash attention converts Q to the key type's dot-product type, q8_0 for every block type): x -> rounded x with
+    the identity gradient, or None where the query is read as it is."""
+    if name is None or name not in QUERY_DOT_TYPES:
+        return None
+    return straight_through(QUERY_DOT_TYPES[name])

@@ -116,14 +116,18 @@ def gqa_attention(x, w: GQAWeights, cos, sin, scale: float | None = None):
     return _linear(out.transpose(1, 2).reshape(bsz, length, heads * dim), w.o, w.o_bias)
 
 
-def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | None = None, cache_store=None):
+def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | None = None, cache_store=None,
+                  query_store=None):
     """Converted attention on x (B, L, d); cos/sin (L, dr) or (B, L, dr) of the target rotary embedding.
 
     query_positions: optional sorted (P,) positions; only those queries are computed (against every
     key they may see), which makes layer refinement much cheaper. cache_store: optional map applied to
     each token's cached row [latent | rotated rotary key] (B, L, r + dr), e.g. a quantized cache's
     store-and-read-back (ops/kv_quant.py); keys and values are read from what it returns, as an engine
-    that caches that row (llama.cpp's deepseek2) reads them. Returns (B, L or P, d).
+    that caches that row (llama.cpp's deepseek2) reads them. query_store: optional map applied to each head's
+    absorbed query row [q_nope W_UK | rotated q_rope] (B, H, P, r + dr) before its dot product with the cached
+    rows; given one, attention runs absorbed (values read from the latent, then W_UV), as llama.cpp runs it.
+    Returns (B, L or P, d).
     """
     bsz, length, _ = x.shape
     heads, dn, dr, dv, r = w.num_heads, w.nope_dim, w.rope_dim, w.v_dim, w.latent_dim
@@ -147,6 +151,8 @@ def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | No
     if cache_store is not None:
         latent, k_rope = cache_store(torch.cat([latent, k_rope[:, 0]], dim=-1)).split([r, dr], dim=-1)
         k_rope = k_rope[:, None]
+    if query_store is not None:
+        return _absorbed(q_nope, q_rope, latent, k_rope, w, mask, causal, query_store, bsz, n_q)
     k_rope = k_rope.expand(bsz, heads, length, dr)
     kv = F.linear(latent, w.kv_b.to(x.dtype)).view(bsz, length, heads, dn + dv).transpose(1, 2)
     k_nope, v = kv.split([dn, dv], dim=-1)  # (B, H, L, dn), (B, H, L, dv)
@@ -161,6 +167,22 @@ def mla_attention(x, w: MLAWeights, cos, sin, query_positions: torch.Tensor | No
         out = padded[..., :dv]
     else:
         out = F.scaled_dot_product_attention(query, key, v, attn_mask=mask, is_causal=causal, scale=w.softmax_scale)
+    return _linear(out.transpose(1, 2).reshape(bsz, n_q, heads * dv), w.o, w.o_bias)
+
+
+def _absorbed(q_nope, q_rope, latent, k_rope, w: MLAWeights, mask, causal, query_store, bsz, n_q):
+    """Attention with W_UK absorbed into the query and W_UV applied after the latent is read: the query row
+    [q_nope W_UK | q_rope] meets the cached row [latent | k_rope] in one dot product (where an engine converts
+    the query to its cache's dot-product type, query_store), the values are the latent itself."""
+    heads, dn, dv, r = w.num_heads, w.nope_dim, w.v_dim, w.latent_dim
+    kv_b = head_blocks(w.kv_b.to(latent.dtype), heads)  # (H, dn + dv, r)
+    w_uk, w_uv = kv_b[:, :dn], kv_b[:, dn:]
+    query = query_store(torch.cat([torch.einsum("bhpn,hnr->bhpr", q_nope, w_uk), q_rope], dim=-1))
+    key = torch.cat([latent[:, None], k_rope], dim=-1)  # (B, 1, L, r + dr)
+    heads_key = key.expand(bsz, heads, *key.shape[2:])
+    read = F.scaled_dot_product_attention(query, heads_key, heads_key[..., :r], attn_mask=mask, is_causal=causal,
+                                          scale=w.softmax_scale)  # (B, H, P, r)
+    out = torch.einsum("bhpr,hvr->bhpv", read, w_uv)
     return _linear(out.transpose(1, 2).reshape(bsz, n_q, heads * dv), w.o, w.o_bias)
 
 
