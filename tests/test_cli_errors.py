@@ -253,3 +253,25 @@ def test_demo_prints_the_conversion_time_per_stage(capsys, tmp_path, monkeypatch
     demo.run_demo(demo.DemoSettings(output_dir=str(tmp_path / "d"), device="cpu", task_examples=4))
     out = capsys.readouterr().out
     assert "time per stage: refine 30.0 s (75%), statistics 10.0 s (25%)" in out, out
+
+
+def test_resume_of_a_bias_folding_conversion_is_bit_identical(make_model, base_args, tmp_path, monkeypatch, capsys):
+    """A biased source converted for an engine (its biases folded, layer 0 through a constant embedding channel)
+    resumed after layer 0 equals the uninterrupted conversion byte for byte: the constant channel and the later
+    layers' inputs are rebuilt as they were."""
+    import hashlib
+
+    src = make_model("qwen2", kv_heads=2)
+    args = {"--model": str(src), "--target": "llamacpp", "--latent-dim": "24", "--set": "refine_steps=2"}
+
+    def digest(path):
+        return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+    reference = tmp_path / "reference"
+    assert main(["convert", *base_args(**args, **{"--output": str(reference)})]) == 0
+    with monkeypatch.context() as patch:
+        _interrupt_at(patch, "layer-00001")
+        assert main(["convert", *base_args(**args)]) == 130
+    assert main(["convert", *base_args(**args), "--resume"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    assert digest(tmp_path / "out") == digest(reference)
