@@ -28,7 +28,10 @@ layer's held-out error from 0.32 (biases kept) to 1.30; folded by share, 0.36-0.
 rho = E_delta[|R(delta) - I|^2 / 2] = E_delta[2 (1 - cos w delta)] over the calibration's attention distances and V
 the spread E[(u.x - 1)^2], the share minimizing the expected score error (query isotropic within a slot) is
     beta = rho / (rho (1 + V) + V),
-near 1 for slots that turn over the distances attention reads and near 0 for those that do not.
+near 1 for slots that turn over the distances attention reads and near 0 for those that do not. V is taken no smaller
+than CACHE_SPREAD: a folded bias is stored in the engine's cache, which reads it back only to its own precision, so
+even where u.x = 1 exactly (layer 0's constant embedding channel) a bias that does not turn is left to the softmax,
+not written into every cached rotary key.
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ from .mla import MLAWeights
 RIDGE = 1e-4  # relative to the mean input energy: keeps u bounded where the calibration text is thin
 # conversion.json warns when u.x strays from 1 by more than this (root mean square) on held-out calibration windows
 SPREAD_WARNING = 0.1
+# the smallest spread the rotary-key share assumes: a cached value is read back to about this relative squared
+# precision (q8_0 rounds to 1/254 of its block's largest value: (1/254)^2 / 3 = 5e-6). Measured on
+# Qwen2.5-Coder-1.5B (160 + 64, llama.cpp, held-out docs): layer 0 fitted u.x = 1 to the last digit once (V = 0)
+# and folded its whole rotary-key bias (norm up to 628) into the cache: q4_0 15.22, q5_0 9.36, q8_0 5.95; a
+# conversion whose layer 0 read V = 9e-6 (share 0.026) and was otherwise the same to 4 digits: 6.10, 5.87, 5.79.
+CACHE_SPREAD = 1e-5
 
 
 @dataclass
@@ -54,13 +63,15 @@ class FoldReport:
 
 def rope_bias_share(slot_inv_freq: torch.Tensor, distance_mass: torch.Tensor, spread: float) -> torch.Tensor:
     """(2 * slots,) share of each interleaved rotary dim's bias to fold (module doc): slot_inv_freq (slots,) the
-    target's rotary frequencies, distance_mass (H, L) attention probability at each query-key distance."""
+    target's rotary frequencies, distance_mass (H, L) attention probability at each query-key distance; spread
+    taken no smaller than CACHE_SPREAD."""
+    spread = max(spread, CACHE_SPREAD)
     mass = distance_mass.to(torch.float64).sum(0)
     p = mass / mass.sum().clamp_min(1e-300)
     delta = torch.arange(p.shape[0], dtype=torch.float64, device=p.device)
     angle = slot_inv_freq.to(p.device, torch.float64)[:, None] * delta[None, :]
     rho = (p[None, :] * 2 * (1 - torch.cos(angle))).sum(1)  # (slots,)
-    share = rho / (rho * (1 + spread) + spread) if spread > 0 else torch.ones_like(rho)
+    share = rho / (rho * (1 + spread) + spread)
     return share.repeat_interleave(2)
 
 
