@@ -10,6 +10,14 @@ size, the calibration window length, and a method. Every configuration reads the
         "rope32=192/32/512/closed-form;rope64=192/64/512/closed-form;\\
          nope-expected=192/32/512/closed-form:nope_rotation=expected;calib8192=192/32/8192/closed-form"
 
+`--model qwen2.5-coder-1.5b` runs the same on the second real model (transmla_tool/registry.py). A checkpoint made
+elsewhere (eval/frontier.py --keep-checkpoints, convert) is scored as it is with `--checkpoint NAME=DIR`: its
+conversion record gives its budget, rotary size, calibration length and method, and its source must be --model.
+
+    python eval/length.py --model qwen2.5-coder-1.5b --output-dir runs/qlength --lengths 8192 --eval-tokens 8192 \
+        --checkpoint rope64=runs/qsplit/ckpt/mix-docs-r100w32-rope64-224 \
+        --checkpoint rope32=runs/qsplit/ckpt/mix-docs-r100w32-rope32-224
+
 Each conversion is kept under <output-dir>/ckpt (a rerun at more lengths scores it again without converting) with
 its time and peak memory. Rows go to <output-dir>/length.jsonl keyed by (config, length, domain) and record the
 held-out tokens they were scored on; a rerun measures only what is missing and refuses rows scored on other windows.
@@ -33,12 +41,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from crossdomain import calib_spec, reuse_splits  # noqa: E402
 from quality import _append, _read, check_resumable, check_same_scoring, parse_config  # noqa: E402
 
-from transmla_tool.assets import DOMAINS, domain_splits, smollm2_gguf  # noqa: E402
+from transmla_tool.assets import DOMAINS, domain_splits  # noqa: E402
 from transmla_tool.data import token_windows  # noqa: E402
 from transmla_tool.errors import UserError  # noqa: E402
 from transmla_tool.evaluate.models import load_model, load_tokenizer  # noqa: E402
 from transmla_tool.evaluate.perplexity import perplexity  # noqa: E402
-from transmla_tool.methods import resolve_method  # noqa: E402
+from transmla_tool.methods import recorded_method, resolve_method  # noqa: E402
+from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
 BOUNDS = (512, 2048)  # distance ranges the loss is split into (with the window's end)
 
@@ -80,6 +89,32 @@ def convert_in_child(model_dir: str, gguf: str, ckpt: Path, config: dict, spec: 
             "stages": summary["stages"]}
 
 
+def checkpoint_config(spec: str, source: Path) -> tuple[dict, Path, dict]:
+    """'NAME=DIR' of a finished conversion of `source` -> (config, checkpoint, cost) from its conversion record; a
+    directory that is not one, or a conversion of another model, stops before any work."""
+    name, _, path = spec.partition("=")
+    ckpt = Path(path)
+    record = ckpt / "conversion.json"
+    if not name or not path:
+        raise SystemExit(f"--checkpoint: {spec!r} is not NAME=DIR (e.g. rope32=runs/qsplit/ckpt/mix-docs-rope32-224)")
+    if not record.is_file():
+        raise SystemExit(f"--checkpoint {name}: {ckpt} has no conversion.json; give a directory written by "
+                         "`transmla-tool convert` (or eval/frontier.py --keep-checkpoints)")
+    summary = json.loads(record.read_text())
+    settings = summary["settings"]
+    made_from = Path(summary["source"]).name
+    if made_from != source.name:
+        raise SystemExit(f"--checkpoint {name}: {ckpt} was converted from {made_from}, not {source.name}; "
+                         "give the matching --model")
+    config = {"name": name, "budget": settings["latent_dim"] + settings["rope_dim"], "rope_dim": settings["rope_dim"],
+              "calib_seq_len": settings["calib_seq_len"], "preset": settings["method_name"], "overrides": [],
+              "method": recorded_method(settings["method"]), "calib_samples": settings["calib_samples"],
+              "checkpoint": str(ckpt)}
+    cost = {"convert_seconds": summary.get("wall_time_s"), "peak_rss_mb": summary.get("peak_rss_mb"),
+            "stages": summary.get("stages")}
+    return config, ckpt, cost
+
+
 def conversion_peak(cost: dict) -> float | None:
     """The conversion's peak RSS: its own process's, or for one run inside this script (the first rows), the largest
     of its stages' peaks (each stage resets the kernel's high-water mark; the process's peak also holds scoring)."""
@@ -91,6 +126,10 @@ def conversion_peak(cost: dict) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default="runs/length")
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS),
+                        help="the real model (transmla_tool/registry.py; `make models` fetches the ones not installed)")
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
+                        help="also score this finished conversion of --model as it is (repeatable)")
     parser.add_argument("--configs", default="", help="';'-separated NAME=BUDGET/ROPE/CALIB_LEN/PRESET")
     parser.add_argument("--calib", default="mix-docs", help="calibration source (crossdomain.py's names)")
     parser.add_argument("--calib-tokens", type=int, default=65536)
@@ -111,18 +150,21 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",") if n]
     if bad := [n for n in lengths if n <= 0 or args.eval_tokens < n]:
         raise SystemExit(f"--lengths {bad[0]}: each length must be positive and at most --eval-tokens")
-    model_dir, gguf = smollm2_gguf()
+    model_dir, gguf = model_gguf(args.model)
+    given = [checkpoint_config(c, Path(model_dir) / gguf) for c in args.checkpoint]
+    if clash := {c["name"] for c in configs} & {c["name"] for c, _, _ in given}:
+        raise SystemExit(f"--checkpoint {sorted(clash)[0]}: a --configs entry has the same name")
     splits = reuse_splits(Path(args.data_dir)) if args.data_dir else domain_splits(out / "data")
     domains = [args.calib[4:]] if args.calib.startswith("mix-") else [d for d in DOMAINS if d != args.calib]
     spec = calib_spec(args.calib, splits)
     rows = _read(results)
-    check_same_scoring(rows, results, {"eval_tokens": args.eval_tokens, "calib": args.calib})
+    scoring = {"eval_tokens": args.eval_tokens, "calib": args.calib, "source_model": args.model}
+    check_same_scoring(rows, results, scoring, unrecorded={"source_model": "smollm2-135m"})
     done = {(r["config"], r["length"], r["domain"]) for r in rows}
     tokenizer = load_tokenizer(model_dir, gguf)
     device = torch.device(args.device)
     windows = {(n, d): token_windows(str(splits[d][1]), tokenizer, n, args.eval_tokens // n,
                                      min_windows=args.eval_tokens // n) for n in lengths for d in domains}
-    scoring = {"eval_tokens": args.eval_tokens, "calib": args.calib}
 
     def score(label: str, model, extra: dict) -> None:
         for n in lengths:
@@ -160,6 +202,17 @@ def main() -> None:
                             "convert_seconds": cost["convert_seconds"], "convert_peak_rss_mb": conversion_peak(cost)})
         del model
         gc.collect()
+    for config, ckpt, cost in given:
+        name = config["name"]
+        made = {k: config[k] for k in ("method", "budget", "rope_dim", "calib_seq_len", "calib_samples", "checkpoint")}
+        check_resumable(rows, results, {"config": name}, made)
+        if all((name, n, d) in done for n in lengths for d in domains):
+            continue
+        model = load_model(str(ckpt), None, torch.float32, device)
+        score(name, model, {**made, "preset": config["preset"], "overrides": [],
+                            "convert_seconds": cost["convert_seconds"], "convert_peak_rss_mb": conversion_peak(cost)})
+        del model
+        gc.collect()
     write_table(out)
 
 
@@ -174,7 +227,8 @@ def write_table(out: Path) -> None:
     configs = list(dict.fromkeys(r["config"] for r in rows if r["config"] != "original"))
     cell = {(r["config"], r["length"], r["domain"]): r for r in rows}
     first = rows[0]
-    lines = [(f"# Quality by context length (SmolLM2-135M, transformers, fp32; calibrated on {first['calib']}, "
+    title = MODELS[first.get("source_model", "smollm2-135m")].title
+    lines = [(f"# Quality by context length ({title}, transformers, fp32; calibrated on {first['calib']}, "
               f"scored on {', '.join(domains)}: {first['eval_tokens']} held-out tokens per length)"), "",
              "Ratio = the configuration's perplexity over the original's on the same windows (worst domain).", "",
              "| config | budget | rope | calib length | convert s | peak RSS MB | "

@@ -733,6 +733,29 @@ def test_length_ablation_configs_and_table(tmp_path):
     assert "| a | 192 | 32 | 512 | 90.0 | 2000.0 | 1.200 | 1.500 | 1.250x |" in table
     assert "| positions 0-511 | positions 512-2047 | positions 2048-4095 |" in table
     assert f"| a | {math.exp(0.1):.3f} | {math.exp(0.4):.3f} | {math.exp(0.6):.3f} |" in table
+    assert table.startswith("# Quality by context length (SmolLM2-135M,")  # rows before --model: SmolLM2's
+
+
+def test_length_scores_a_given_checkpoint_from_its_record(tmp_path):
+    """eval/length.py --checkpoint NAME=DIR: budget, rotary size, calibration length and method come from the
+    checkpoint's conversion record; a directory without one, or a conversion of another model, stops at once."""
+    length = _eval_module("length")
+    source = tmp_path / "models" / "qwen.gguf"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    with pytest.raises(SystemExit, match="has no conversion.json"):
+        length.checkpoint_config(f"r32={ckpt}", source)
+    settings = {"latent_dim": 192, "rope_dim": 32, "calib_seq_len": 512, "calib_samples": 32, "method_name": "default",
+                "method": {"refine_steps": 100}}
+    record = {"source": "/cache/qwen.gguf", "settings": settings, "wall_time_s": 1128.8, "peak_rss_mb": 6042.2}
+    (ckpt / "conversion.json").write_text(json.dumps(record))
+    config, path, cost = length.checkpoint_config(f"r32={ckpt}", source)
+    assert (config["name"], config["budget"], config["rope_dim"], config["calib_seq_len"]) == ("r32", 224, 32, 512)
+    assert config["method"]["refine_steps"] == 100 and path == ckpt and cost["convert_seconds"] == 1128.8
+    with pytest.raises(SystemExit, match="converted from qwen.gguf, not smollm2.gguf"):
+        length.checkpoint_config(f"r32={ckpt}", tmp_path / "smollm2.gguf")
+    with pytest.raises(SystemExit, match="is not NAME=DIR"):
+        length.checkpoint_config(str(ckpt), source)
 
 
 def test_heal_memory_rows_per_arm_and_length(teacher_and_student, text_file, tmp_path):

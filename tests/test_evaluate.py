@@ -351,3 +351,26 @@ def test_perplexity_by_position_splits_the_same_loss():
         logits = table(windows)[:, :-1]
         late = torch.nn.functional.cross_entropy(logits[:, 11:].transpose(1, 2), windows[:, 12:])
     assert split["by_position"]["12"] == pytest.approx(float(late), rel=1e-6)
+
+
+@pytest.mark.parametrize("which", ["original", "converted"])
+def test_perplexity_of_long_windows_reads_logits_a_chunk_at_a_time(make_model, convert_tiny, which):
+    """A window longer than logit_chunk is scored from the last hidden state a chunk of logits at a time (a real
+    8192-token window of Qwen2.5's vocabulary is 5 GB of logits): the same loss at every position, and the result
+    says the chunked path ran."""
+    from transformers import AutoModelForCausalLM
+
+    from transmla_tool.evaluate.perplexity import perplexity
+
+    source = make_model("qwen2")
+    path = source if which == "original" else convert_tiny(source, 16, rope_dim=8, calib_samples=4)[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    windows = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
+    whole = perplexity(model, windows, batch_size=2, progress=False, bounds=(8, 24), logit_chunk=0)
+    chunked = perplexity(model, windows, batch_size=2, progress=False, bounds=(8, 24), logit_chunk=16)
+    assert "logit_chunk" not in whole and chunked["logit_chunk"] == 16
+    assert chunked["tokens"] == whole["tokens"] == 3 * 39
+    assert chunked["nll_per_token"] == pytest.approx(whole["nll_per_token"], rel=1e-5)
+    for start, nll in whole["by_position"].items():
+        assert chunked["by_position"][start] == pytest.approx(nll, rel=1e-5)
+    assert "logit_chunk" not in perplexity(model, windows, progress=False, logit_chunk=40)  # not longer: whole

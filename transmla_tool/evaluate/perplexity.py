@@ -8,31 +8,53 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..heal.loss import FinalHidden
+
+LOGIT_CHUNK = 2048  # positions of logits alive at a time when a window is longer
+
 
 @torch.no_grad()
 def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress: bool = True,
-               desc: str = "perplexity", bounds: tuple[int, ...] = ()) -> dict:
+               desc: str = "perplexity", bounds: tuple[int, ...] = (), logit_chunk: int = LOGIT_CHUNK) -> dict:
     """Mean next-token negative log-likelihood over every position of every window but the first.
 
     windows: (N, L) token ids. Each window is scored independently (no carried context), so the
     number is comparable across models that share the tokenizer. `bounds` (e.g. (512, 2048)): also the mean
     over the predicted positions in each range [0, 512), [512, 2048), [2048, L) under "by_position", {start: nll}:
     how the loss grows with the distance a token can look back (a long window's mean hides it).
+
+    Windows longer than `logit_chunk` are scored from the last hidden state, `logit_chunk` positions of logits at a
+    time (heal.loss.FinalHidden, which checks the output layer against the model's own last position): a whole
+    8192-token window of a 152k-word vocabulary is 5 GB of fp32 logits. The result then names the chunk.
     """
     device = next(model.parameters()).device
     edges = [0, *[b for b in bounds if 0 < b < windows.shape[1]], windows.shape[1]]
     sums, counts = [0.0] * (len(edges) - 1), [0] * (len(edges) - 1)
     starts = range(0, windows.shape[0], batch_size)
+    reader = FinalHidden(model) if logit_chunk and windows.shape[1] > logit_chunk else None
     for start in tqdm(starts, desc=desc, disable=not progress):
         ids = windows[start : start + batch_size].to(device)
-        logits = model(ids).logits[:, :-1].float()  # (B, L-1, V)
-        loss = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # (B, L-1); column j predicts j+1
+        loss = _position_nll(model if reader is None else reader, ids, logit_chunk if reader else 0)
         for k, (lo, hi) in enumerate(zip(edges, edges[1:])):
             part = loss[:, max(lo - 1, 0) : hi - 1]
             sums[k] += float(part.sum())
             counts[k] += part.numel()
     mean = sum(sums) / max(sum(counts), 1)
     result = {"perplexity": math.exp(mean), "nll_per_token": mean, "tokens": sum(counts)}
+    if reader is not None:
+        result["logit_chunk"] = logit_chunk
     if bounds:
         result["by_position"] = {str(lo): s / max(c, 1) for lo, s, c in zip(edges, sums, counts)}
     return result
+
+
+def _position_nll(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """(B, L-1) next-token losses, column j predicting token j+1: from the model's logits (chunk 0), or from a
+    FinalHidden reader's last hidden state `chunk` positions at a time."""
+    if not chunk:
+        logits = model(ids).logits[:, :-1].float()  # (B, L-1, V)
+        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    hidden = model(ids)[:, :-1]
+    parts = [F.cross_entropy(model.head(hidden[:, a:a + chunk]).float().transpose(1, 2), ids[:, 1 + a:1 + a + chunk],
+                             reduction="none") for a in range(0, hidden.shape[1], chunk)]
+    return torch.cat(parts, dim=1)
