@@ -166,7 +166,14 @@ def main() -> None:
     windows = {(n, d): token_windows(str(splits[d][1]), tokenizer, n, args.eval_tokens // n,
                                      min_windows=args.eval_tokens // n) for n in lengths for d in domains}
 
-    def score(label: str, model, extra: dict) -> None:
+    def finished(label: str) -> bool:
+        return all((label, n, d) in done for n in lengths for d in domains)
+
+    def score(label: str, path: str, gguf_file: str | None, extra: dict) -> None:
+        """Load the model at path, score it at every length and kind of text it lacks a row for, and free it."""
+        if finished(label):
+            return
+        model = load_model(path, gguf_file, torch.float32, device)
         for n in lengths:
             for d in domains:
                 if (label, n, d) in done:
@@ -176,11 +183,10 @@ def main() -> None:
                 _append(results, {"config": label, "length": n, "domain": d, **got, "windows": len(windows[(n, d)]),
                                   "seconds": round(time.time() - start, 1), **scoring, **extra})
                 done.add((label, n, d))
-
-    if any(("original", n, d) not in done for n in lengths for d in domains):
-        model = load_model(model_dir, gguf, torch.float32, device)
-        score("original", model, {})
         del model
+        gc.collect()
+
+    score("original", model_dir, gguf, {})
     for config in configs:
         name = config["name"]
         method = resolve_method(config["preset"], config["overrides"])
@@ -188,7 +194,7 @@ def main() -> None:
                 "calib_seq_len": config["calib_seq_len"],
                 "calib_samples": args.calib_tokens // config["calib_seq_len"]}
         check_resumable(rows, results, {"config": name}, made)
-        if all((name, n, d) in done for n in lengths for d in domains):
+        if finished(name):
             continue
         ckpt = out / "ckpt" / name
         record = ckpt / "conversion-cost.json"
@@ -197,22 +203,16 @@ def main() -> None:
             cost = convert_in_child(model_dir, gguf, ckpt, config, spec, made["calib_samples"], args.device)
             record.write_text(json.dumps({"made": made, **cost}))
         cost = json.loads(record.read_text())
-        model = load_model(str(ckpt), None, torch.float32, device)
-        score(name, model, {**made, "preset": config["preset"], "overrides": config["overrides"],
-                            "convert_seconds": cost["convert_seconds"], "convert_peak_rss_mb": conversion_peak(cost)})
-        del model
-        gc.collect()
+        score(name, str(ckpt), None, {**made, "preset": config["preset"], "overrides": config["overrides"],
+                                      "convert_seconds": cost["convert_seconds"],
+                                      "convert_peak_rss_mb": conversion_peak(cost)})
     for config, ckpt, cost in given:
         name = config["name"]
         made = {k: config[k] for k in ("method", "budget", "rope_dim", "calib_seq_len", "calib_samples", "checkpoint")}
         check_resumable(rows, results, {"config": name}, made)
-        if all((name, n, d) in done for n in lengths for d in domains):
-            continue
-        model = load_model(str(ckpt), None, torch.float32, device)
-        score(name, model, {**made, "preset": config["preset"], "overrides": [],
-                            "convert_seconds": cost["convert_seconds"], "convert_peak_rss_mb": conversion_peak(cost)})
-        del model
-        gc.collect()
+        score(name, str(ckpt), None, {**made, "preset": config["preset"], "overrides": [],
+                                      "convert_seconds": cost["convert_seconds"],
+                                      "convert_peak_rss_mb": conversion_peak(cost)})
     write_table(out)
 
 

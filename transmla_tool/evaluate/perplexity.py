@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..heal.loss import FinalHidden
+from ..heal.loss import FinalHidden, position_nll
 
 LOGIT_CHUNK = 2048  # positions of logits alive at a time when a window is longer
 
@@ -34,7 +33,7 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress: bool
     reader = FinalHidden(model) if logit_chunk and windows.shape[1] > logit_chunk else None
     for start in tqdm(starts, desc=desc, disable=not progress):
         ids = windows[start : start + batch_size].to(device)
-        loss = _position_nll(model if reader is None else reader, ids, logit_chunk if reader else 0)
+        loss = position_nll(model, ids, logit_chunk if reader else 0, reader)
         for k, (lo, hi) in enumerate(zip(edges, edges[1:])):
             part = loss[:, max(lo - 1, 0) : hi - 1]
             sums[k] += float(part.sum())
@@ -46,15 +45,3 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress: bool
     if bounds:
         result["by_position"] = {str(lo): s / max(c, 1) for lo, s, c in zip(edges, sums, counts)}
     return result
-
-
-def _position_nll(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
-    """(B, L-1) next-token losses, column j predicting token j+1: from the model's logits (chunk 0), or from a
-    FinalHidden reader's last hidden state `chunk` positions at a time."""
-    if not chunk:
-        logits = model(ids).logits[:, :-1].float()  # (B, L-1, V)
-        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-    hidden = model(ids)[:, :-1]
-    parts = [F.cross_entropy(model.head(hidden[:, a:a + chunk]).float().transpose(1, 2), ids[:, 1 + a:1 + a + chunk],
-                             reduction="none") for a in range(0, hidden.shape[1], chunk)]
-    return torch.cat(parts, dim=1)

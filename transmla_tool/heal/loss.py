@@ -108,17 +108,21 @@ def chunked_distill_loss(student_hidden, student_head, teacher_hidden, teacher_h
 
 
 @torch.no_grad()
+def position_nll(model, ids: torch.Tensor, chunk: int, reader: FinalHidden | None = None) -> torch.Tensor:
+    """(B, L-1) next-token losses of windows ids (B, L), column j predicting token j+1: from the model's logits when
+    `chunk` is 0 or the window is not longer, else from the last hidden state (`reader`, or a new FinalHidden), `chunk`
+    positions of logits at a time."""
+    if not chunk or ids.shape[1] <= chunk:
+        logits = model(ids).logits[:, :-1].float()  # (B, L-1, V)
+        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    reader = reader or FinalHidden(model)
+    hidden = reader(ids)[:, :-1]
+    parts = [F.cross_entropy(reader.head(hidden[:, a:a + chunk]).float().transpose(1, 2), ids[:, 1 + a:1 + a + chunk],
+                             reduction="none") for a in range(0, hidden.shape[1], chunk)]
+    return torch.cat(parts, dim=1)
+
+
 def window_nll(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
     """Summed next-token negative log-likelihood of windows ids (B, L), fp64; logits `chunk` positions at a time
     (0: all at once)."""
-    if not chunk or ids.shape[1] <= chunk:
-        logits = model(ids).logits[:, :-1].float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").double()
-    reader = FinalHidden(model)
-    hidden, head = reader(ids)[:, :-1], reader.head
-    nll = torch.zeros((), dtype=torch.float64, device=ids.device)
-    for start in range(0, hidden.shape[1], chunk):
-        logits = head(hidden[:, start:start + chunk]).float()
-        targets = ids[:, 1 + start:1 + start + chunk]
-        nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").double()
-    return nll
+    return position_nll(model, ids, chunk).double().sum()
