@@ -228,15 +228,16 @@ def write_table(out: Path) -> None:
     cell = {(r["config"], r["length"], r["domain"]): r for r in rows}
     first = rows[0]
     title = MODELS[first.get("source_model", "smollm2-135m")].title
+    grows = len(lengths) > 1  # a growth column only when there is more than one length
     lines = [(f"# Quality by context length ({title}, transformers, fp32; calibrated on {first['calib']}, "
               f"scored on {', '.join(domains)}: {first['eval_tokens']} held-out tokens per length)"), "",
              "Ratio = the configuration's perplexity over the original's on the same windows (worst domain).", "",
              "| config | budget | rope | calib length | convert s | peak RSS MB | "
-             + " | ".join(f"{n} tokens" for n in lengths) + f" | growth {lengths[0]} -> {longest} |",
-             "|---|---|---|---|---|---|" + "---|" * (len(lengths) + 1)]
+             + " | ".join(f"{n} tokens" for n in lengths) + (f" | growth {lengths[0]} -> {longest} |" if grows else " |"),
+             "|---|---|---|---|---|---|" + "---|" * (len(lengths) + grows)]
     lines += ["| original (perplexity) | | | | | | " + " | ".join(
         "/".join(f"{original[(n, d)]['perplexity']:.2f}" for d in domains if (n, d) in original) for n in lengths)
-        + " | |"]
+        + (" | |" if grows else " |")]
     for c in configs:
         ratios = {}
         for n in lengths:
@@ -247,7 +248,8 @@ def write_table(out: Path) -> None:
         growth = (f"{ratios[longest] / ratios[lengths[0]]:.3f}x" if ratios[longest] and ratios[lengths[0]] else "")
         lines.append(f"| {c} | {any_row['budget']} | {any_row['rope_dim']} | {any_row['calib_seq_len']} | "
                      f"{any_row['convert_seconds']} | {any_row['convert_peak_rss_mb']} | "
-                     + " | ".join(f"{ratios[n]:.3f}" if ratios[n] else "" for n in lengths) + f" | {growth} |")
+                     + " | ".join(f"{ratios[n]:.3f}" if ratios[n] else "" for n in lengths)
+                     + (f" | {growth} |" if grows else " |"))
     buckets = list(original.get((longest, domains[0]), {}).get("by_position", {}))
     if buckets:
         ends = [*buckets[1:], str(longest)]

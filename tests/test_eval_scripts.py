@@ -734,6 +734,11 @@ def test_length_ablation_configs_and_table(tmp_path):
     assert "| positions 0-511 | positions 512-2047 | positions 2048-4095 |" in table
     assert f"| a | {math.exp(0.1):.3f} | {math.exp(0.4):.3f} | {math.exp(0.6):.3f} |" in table
     assert table.startswith("# Quality by context length (SmolLM2-135M,")  # rows before --model: SmolLM2's
+    single = [r for r in rows if r["length"] == 4096]  # one length: no growth column to print as 1.000x
+    (tmp_path / "length.jsonl").write_text("".join(json.dumps(r) + "\n" for r in single))
+    length.write_table(tmp_path)
+    table = (tmp_path / "length.md").read_text()
+    assert "| a | 192 | 32 | 512 | 90.0 | 2000.0 | 1.500 |\n" in table and "growth" not in table
 
 
 def test_length_scores_a_given_checkpoint_from_its_record(tmp_path):
