@@ -203,7 +203,7 @@ def test_unknown_override(capsys, base_args):
     assert code == 2 and "--set bogus=1" in err
 
 
-@pytest.mark.parametrize("value", ["rope_weighting=energy", "refine_steps=-1", "refine_noise=-0.5"])
+@pytest.mark.parametrize("value", ["rope_weighting=energy", "refine_steps=-1", "refine_noise=-0.5", "calib_repeat=1.5"])
 def test_bad_override_values(capsys, base_args, value):
     code, err = _run(capsys, [*base_args(), "--set", value])
     assert code == 2 and len(err.splitlines()) == 1

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from transmla_tool.data import iter_documents, token_windows
+from transmla_tool.data import iter_documents, token_windows, with_repeats
 from transmla_tool.errors import UserError
 
 DOCS = ["The mill stood by the river for a hundred years.", "Ruth kept a board of bird names by her door.",
@@ -46,6 +46,33 @@ def test_windows_pack_documents_with_eos(files, tokenizer_dir):
     for doc in DOCS:
         expected += tokenizer(doc, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     assert flat == expected[: len(flat)] and len(expected) - len(flat) < 8
+
+
+def test_repeated_windows_copy_their_first_half(files, tokenizer_dir):
+    """calib_repeat: an even spread of the share asked for becomes first half twice; the rest are untouched, and a
+    conversion's calibration windows carry it."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from transmla_tool.convert import ConvertSettings, calibration_windows
+    from transmla_tool.methods import resolve_method
+
+    windows = torch.arange(8 * 10).reshape(8, 10)
+    got = with_repeats(windows, 0.25)
+    changed = [i for i in range(8) if not torch.equal(got[i], windows[i])]
+    assert changed == [3, 7]
+    for i in changed:
+        assert torch.equal(got[i, :5], windows[i, :5]) and torch.equal(got[i, 5:], windows[i, :5])
+    assert torch.equal(with_repeats(windows, 0.0), windows) and torch.equal(windows, torch.arange(80).reshape(8, 10))
+    assert not any(torch.equal(row[:5], row[5:]) for row in with_repeats(windows, 0.0))
+    assert all(torch.equal(row[:5], row[5:]) for row in with_repeats(windows, 1.0))
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    settings = ConvertSettings(model="unused", output="unused", latent_dim=8, rope_dim=8, calib_data=str(files["txt"]),
+                               calib_samples=4, calib_seq_len=6, method=resolve_method("default", ["calib_repeat=0.5"]))
+    plain = token_windows(str(files["txt"]), tokenizer, 6, 4)
+    assert torch.equal(calibration_windows(settings, tokenizer), with_repeats(plain, 0.5))
+    assert sum(torch.equal(row[:3], row[3:]) for row in calibration_windows(settings, tokenizer)) == 2
 
 
 def test_bad_sources(files, tmp_path):

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from .arch import AttentionGeometry, check_shapes, check_supported, llama_view
 from .arch.families import EMBED, FINAL_NORM, LAYER_PASSTHROUGH, LAYER_PREFIX, LM_HEAD
 from .calibrate import SourceLayers, run_layer_with_attention, run_source_layer
-from .data import token_windows
+from .data import token_windows, with_repeats
 from .devices import resolve_device, resolve_dtype
 from .engines import ENGINE_TARGETS, check_engines, drops_biases
 from .errors import UserError
@@ -271,7 +271,7 @@ def calibration_windows(settings: ConvertSettings, tokenizer) -> torch.Tensor:
         print(f"warning: --calib-data yields {len(ids)} windows of {settings.calib_seq_len} tokens, fewer than the "
               f"{settings.calib_samples} asked for (--calib-samples); calibrating on {len(ids)} (conversion.json and "
               "the model card record it). Give more text for the statistics asked for.", file=sys.stderr)
-    return ids
+    return with_repeats(ids, settings.method.calib_repeat) if settings.method.calib_repeat else ids
 
 
 def check_room(settings: ConvertSettings, source, geometry, outputs, out_dtype) -> None:

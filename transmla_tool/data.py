@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -227,6 +228,19 @@ def token_windows(spec: str, tokenizer, seq_len: int, max_windows: int | None = 
             "needed; use more text or a shorter sequence length"
         )
     return torch.stack(windows)
+
+
+def with_repeats(windows: torch.Tensor, share: float) -> torch.Tensor:
+    """windows (N, L) with floor(share * N) of them, spread evenly, rebuilt as their first half twice: text in which
+    the model copies (the second half's next token is in the first). The rest are unchanged."""
+    n, length = windows.shape
+    picked = [i for i in range(n) if math.floor((i + 1) * share) > math.floor(i * share)]
+    if not picked or length < 4:
+        return windows
+    out = windows.clone()
+    half = length // 2
+    out[picked] = torch.cat([windows[picked, :half], windows[picked, :length - half]], dim=1)
+    return out
 
 
 def _take(spec: str, tokenizer, seq_len: int, max_windows: int | None, text_field: str) -> list[torch.Tensor]:
