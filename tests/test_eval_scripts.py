@@ -1024,3 +1024,51 @@ def test_benchmark_table_steps_are_what_each_script_takes(tmp_path):
                           str(tmp_path / "table"), "--dry-run"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("\n[") + 1 == 7 and not (tmp_path / "table").exists()
+
+
+def test_copying_scores_exactly_the_repeat_and_pairs_the_table(teacher_and_student, tmp_path):
+    """eval/copying.py: a span of random tokens then the same span; hits counted on the repeat's copyable positions
+    only (a model that copies from `span` back scores 1, one that repeats the current token 0); the chunked path
+    gives the whole path's numbers; the table pairs a checkpoint with the original per sequence."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from transmla_tool.evaluate.models import load_model
+
+    copying = _eval_module("copying")
+    ids = copying.repeated_spans(vocab=5000, span=6, count=4, seed=0)
+    assert ids.shape == (4, 12) and torch.equal(ids[:, :6], ids[:, 6:])
+    assert torch.equal(ids, copying.repeated_spans(5000, 6, 4, 0)) and ids.min() >= copying.SKIP
+
+    class Shifted(torch.nn.Module):
+        """Logits at position j pick the token `back` positions before j + 1 (back = 1: the current token)."""
+
+        def __init__(self, back):
+            super().__init__()
+            self.back, self.w = back, torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            picked = torch.roll(x, self.back - 1, dims=1)
+            return SimpleNamespace(logits=torch.nn.functional.one_hot(picked, 5000).float() * 10)
+
+    assert copying.copy_scores(Shifted(6), ids, 6, batch_size=3, chunk=0)["accuracy"] == 1.0
+    assert copying.copy_scores(Shifted(1), ids, 6, batch_size=3, chunk=0)["accuracy"] == 0.0
+
+    teacher, student = teacher_and_student
+    model = load_model(str(student), None, torch.float32, torch.device("cpu"))
+    tiny = copying.repeated_spans(model.get_output_embeddings().weight.shape[0], 24, 3, 0)
+    whole, chunked = (copying.copy_scores(model, tiny, 24, batch_size=2, chunk=c) for c in (0, 16))
+    assert whole["per_sequence"] == chunked["per_sequence"]
+    assert chunked["nll"] == pytest.approx(whole["nll"], rel=1e-5)
+
+    def row(label, hits):
+        return {"model": label, "span": 64, "sequences": 4, "seed": 0, "source_model": "smollm2-135m",
+                "accuracy": sum(hits) / 4, "accuracy_stderr": 0.01, "nll": 1.0, "per_sequence": hits, "seconds": 6}
+
+    rows = [row("original", [0.7, 0.6, 0.8, 0.7]), row("a", [0.3, 0.36, 0.4, 0.3]), row("b", [0.7, 0.62, 0.78, 0.7])]
+    (tmp_path / "copying.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    copying.write_table(tmp_path)
+    table = (tmp_path / "copying.md").read_text()
+    assert "| a | 0.340 ± 0.010 (-36.0 ± 4.0, loss) |" in table
+    assert "| b | 0.700 ± 0.010 (+0.0 ± 0.8, within noise) |" in table

@@ -108,18 +108,24 @@ def chunked_distill_loss(student_hidden, student_head, teacher_hidden, teacher_h
 
 
 @torch.no_grad()
-def position_nll(model, ids: torch.Tensor, chunk: int, reader: FinalHidden | None = None) -> torch.Tensor:
-    """(B, L-1) next-token losses of windows ids (B, L), column j predicting token j+1: from the model's logits when
-    `chunk` is 0 or the window is not longer, else from the last hidden state (`reader`, or a new FinalHidden), `chunk`
-    positions of logits at a time."""
+def position_logits(model, ids: torch.Tensor, chunk: int, reader: FinalHidden | None = None):
+    """Yield (start, logits) over windows ids (B, L): fp32 logits (B, n, V) of positions start .. start + n - 1, which
+    predict tokens start + 1 .. start + n. From the model's logits at once when `chunk` is 0 or the window is not
+    longer, else from the last hidden state (`reader`, or a new FinalHidden) `chunk` positions at a time."""
     if not chunk or ids.shape[1] <= chunk:
-        logits = model(ids).logits[:, :-1].float()  # (B, L-1, V)
-        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        yield 0, model(ids).logits[:, :-1].float()
+        return
     reader = reader or FinalHidden(model)
     hidden = reader(ids)[:, :-1]
-    parts = [F.cross_entropy(reader.head(hidden[:, a:a + chunk]).float().transpose(1, 2), ids[:, 1 + a:1 + a + chunk],
-                             reduction="none") for a in range(0, hidden.shape[1], chunk)]
-    return torch.cat(parts, dim=1)
+    for start in range(0, hidden.shape[1], chunk):
+        yield start, reader.head(hidden[:, start:start + chunk]).float()
+
+
+def position_nll(model, ids: torch.Tensor, chunk: int, reader: FinalHidden | None = None) -> torch.Tensor:
+    """(B, L-1) next-token losses of windows ids (B, L), column j predicting token j+1 (position_logits's chunks)."""
+    return torch.cat([F.cross_entropy(logits.transpose(1, 2), ids[:, 1 + start:1 + start + logits.shape[1]],
+                                      reduction="none") for start, logits in position_logits(model, ids, chunk, reader)],
+                     dim=1)
 
 
 def window_nll(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
