@@ -30,7 +30,7 @@ from quality import _append, _read, check_same_scoring  # noqa: E402
 
 from transmla_tool.evaluate.lmeval import verdict  # noqa: E402
 from transmla_tool.evaluate.perplexity import LOGIT_CHUNK  # noqa: E402
-from transmla_tool.heal.loss import FinalHidden, position_logits  # noqa: E402
+from transmla_tool.heal.loss import position_logits  # noqa: E402
 from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
 SKIP = 1000  # the random tokens avoid the vocabulary's first and last SKIP ids (special and byte tokens)
@@ -47,13 +47,12 @@ def repeated_spans(vocab: int, span: int, count: int, seed: int) -> torch.Tensor
 def copy_scores(model, ids: torch.Tensor, span: int, batch_size: int, chunk: int = LOGIT_CHUNK) -> dict:
     """Greedy next-token hits and losses over the repeat's predictable positions (tokens span + 1 .. 2 span - 1)."""
     device = next(model.parameters()).device
-    reader = FinalHidden(model) if chunk and ids.shape[1] > chunk else None
     hits, losses = [], []
     for b in range(0, ids.shape[0], batch_size):
         x = ids[b:b + batch_size].to(device)
         hit = torch.zeros(x.shape[0], device=device)
         loss = torch.zeros(x.shape[0], dtype=torch.float64, device=device)
-        for start, logits in position_logits(model, x, chunk if reader else 0, reader):
+        for start, logits in position_logits(model, x, chunk):
             lo = max(start, span)  # logits column j predicts token j + 1; the repeat's copyable targets are span + 1..
             if lo >= start + logits.shape[1]:
                 continue
@@ -146,7 +145,7 @@ def write_table(out: Path) -> None:
             cells.append(text)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", f"{len(rows)} rows, {sum(r['seconds'] for r in rows) / 60:.1f} min of scoring (this machine).", ""]
-    (out / "copying.md").write_text("\n".join(lines))
+    (out / "copying.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

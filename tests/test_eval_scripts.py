@@ -1058,7 +1058,19 @@ def test_copying_scores_exactly_the_repeat_and_pairs_the_table(teacher_and_stude
     teacher, student = teacher_and_student
     model = load_model(str(student), None, torch.float32, torch.device("cpu"))
     tiny = copying.repeated_spans(model.get_output_embeddings().weight.shape[0], 24, 3, 0)
-    whole, chunked = (copying.copy_scores(model, tiny, 24, batch_size=2, chunk=c) for c in (0, 16))
+    starts, read = [], copying.position_logits
+
+    def recording(*args):
+        for start, logits in read(*args):
+            starts.append(start)
+            yield start, logits
+
+    copying.position_logits = recording
+    whole = copying.copy_scores(model, tiny, 24, batch_size=2, chunk=0)
+    assert starts == [0, 0]
+    starts.clear()
+    chunked = copying.copy_scores(model, tiny, 24, batch_size=2, chunk=16)
+    assert starts == [0, 16, 32] * 2  # the chunked path ran: 47 positions, 16 at a time, for each of 2 batches
     assert whole["per_sequence"] == chunked["per_sequence"]
     assert chunked["nll"] == pytest.approx(whole["nll"], rel=1e-5)
 

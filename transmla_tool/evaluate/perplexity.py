@@ -33,7 +33,7 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress: bool
     reader = FinalHidden(model) if logit_chunk and windows.shape[1] > logit_chunk else None
     for start in tqdm(starts, desc=desc, disable=not progress):
         ids = windows[start : start + batch_size].to(device)
-        loss = position_nll(model, ids, logit_chunk if reader else 0, reader)
+        loss = position_nll(model, ids, logit_chunk, reader)
         for k, (lo, hi) in enumerate(zip(edges, edges[1:])):
             part = loss[:, max(lo - 1, 0) : hi - 1]
             sums[k] += float(part.sum())
