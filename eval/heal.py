@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calib-samples", type=int, default=ConvertSettings.calib_samples)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                         help="override one setting of the `default` conversion method (repeatable)")
+    parser.add_argument("--repeat-share", type=float, default=0.0,
+                        help="share of the training windows rebuilt as their first half twice (heal --repeat-share)")
     parser.add_argument("--max-tokens", type=int, default=2_000_000)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -122,6 +124,8 @@ def main() -> None:
     for name in ("batch_size", "grad_accum", "save_total_limit"):  # not after the minutes of conversion
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0.0 <= args.repeat_share <= 1.0:
+        raise SystemExit(f"--repeat-share must be between 0 and 1, got {args.repeat_share}")
     budget = args.latent_dim + args.rope_dim  # cached values per token per layer
     healed = healed_dir(Path(args.output_dir), budget)
     if args.frontier_only and not (healed / "healing.json").exists():
@@ -196,6 +200,7 @@ def main() -> None:
 
     summary = heal(HealSettings(
         model=str(converted), output=str(healed), data=data, teacher=model_dir, teacher_gguf_file=gguf,
+        repeat_share=args.repeat_share,
         max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
         lr=args.lr, train=args.train, lm_weight=args.lm_weight, cache_type=args.cache_type, eval_data=str(heldout),
         gradient_checkpointing=args.gradient_checkpointing,
@@ -209,6 +214,8 @@ def main() -> None:
              f"{args.seq_len} tokens, lr {args.lr:g}, train {args.train}")
     if args.seed:
         setup += f", seed {args.seed}"
+    if args.repeat_share:
+        setup += f", {args.repeat_share:g} of the windows their first half twice"
     if args.cache_type:
         setup += (f", trained through a simulated {args.cache_type} KV cache (the perplexities below read it too; "
                   "the original's is exact)")

@@ -75,6 +75,28 @@ def test_repeated_windows_copy_their_first_half(files, tokenizer_dir):
     assert sum(torch.equal(row[:3], row[3:]) for row in calibration_windows(settings, tokenizer)) == 2
 
 
+def test_healing_batches_spread_repeats_over_the_stream(text_file, tokenizer_dir):
+    """heal --repeat-share: the share is spread over the whole stream, not each batch (a quarter of batches of two
+    is one window in four, where per batch it would be none), the rest of every window is the plain stream's, and a
+    resumed run that skips batches gets the same repeats."""
+    from itertools import islice
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from transmla_tool.heal.data import train_batches
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    plain = torch.cat(list(islice(train_batches(str(text_file), tokenizer, 16, 2, seed=3), 6)))
+    got = torch.cat(list(islice(train_batches(str(text_file), tokenizer, 16, 2, seed=3, repeat_share=0.25), 6)))
+    changed = [i for i in range(12) if not torch.equal(got[i], plain[i])]
+    assert changed == [3, 7, 11]
+    assert all(torch.equal(got[i, 8:], plain[i, :8]) and torch.equal(got[i, :8], plain[i, :8]) for i in changed)
+    resumed = torch.cat(list(islice(train_batches(str(text_file), tokenizer, 16, 2, seed=3, repeat_share=0.25,
+                                                  skip=3), 3)))
+    assert torch.equal(resumed, got[6:])
+
+
 def test_bad_sources(files, tmp_path):
     with pytest.raises(UserError, match="no 'text' column"):
         list(iter_documents(str(files["jsonl"])))

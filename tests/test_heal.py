@@ -212,6 +212,7 @@ def test_accelerate_launch_two_cpu_processes(teacher_and_student, text_file, tmp
     (dict(batch_size=2), "batch_size 4 -> 2"),
     (dict(seq_len=32), "seq_len 64 -> 32"),
     (dict(eval_seq_len=128), "eval_seq_len None -> 128"),  # logged perplexities of two lengths would mix
+    (dict(repeat_share=0.5), "repeat_share None -> 0.5"),  # recorded only when used: older checkpoints resume
 ])
 def test_resume_refuses_other_settings(teacher_and_student, text_file, tmp_path, change, needle):
     from transmla_tool.errors import UserError
@@ -298,6 +299,7 @@ def test_the_training_peak_leaves_out_the_held_out_evaluations(teacher_and_stude
     (["--max-steps", "0"], "--max-steps must be >= 1"),
     (["--max-steps", "-3"], "--max-steps must be >= 1"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--repeat-share", "1.5"], "--repeat-share must be between 0 and 1"),
 ])
 def test_heal_step_counts_are_checked(teacher_and_student, text_file, tmp_path, capsys, flags, needle):
     from transmla_tool.cli import main

@@ -98,7 +98,8 @@ def cmd_heal(args) -> int:
 
     summary = heal(HealSettings(
         model=args.model, output=args.output, data=args.data, teacher=args.teacher,
-        teacher_gguf_file=args.teacher_gguf_file, text_field=args.text_field, max_tokens=args.max_tokens,
+        teacher_gguf_file=args.teacher_gguf_file, text_field=args.text_field, repeat_share=args.repeat_share,
+        max_tokens=args.max_tokens,
         max_steps=args.max_steps, seq_len=args.seq_len, batch_size=args.batch_size, grad_accum=args.grad_accum,
         lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, kd_weight=args.kd_weight,
         lm_weight=args.lm_weight, temperature=args.temperature, train=args.train, cache_type=args.cache_type,

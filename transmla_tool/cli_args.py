@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher", default=None, help="the source model (hub id or directory) to distill from")
     p.add_argument("--teacher-gguf-file", default=None)
     p.add_argument("--text-field", default="text")
+    p.add_argument("--repeat-share", type=float, default=0.0,
+                   help="share of the training windows rebuilt as their first half twice, so the distillation "
+                   "teaches copying from far back (0: none)")
     p.add_argument("--max-tokens", type=int, default=2_000_000, help="training tokens (all processes)")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --max-tokens)")
     p.add_argument("--seq-len", type=int, default=512)

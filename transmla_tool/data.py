@@ -230,11 +230,18 @@ def token_windows(spec: str, tokenizer, seq_len: int, max_windows: int | None = 
     return torch.stack(windows)
 
 
-def with_repeats(windows: torch.Tensor, share: float) -> torch.Tensor:
+def repeats_window(index: int, share: float) -> bool:
+    """Whether window `index` of a sequence of windows is one of the evenly spread `share` of them that
+    with_repeats rebuilds (floor(share * N) of any first N)."""
+    return math.floor((index + 1) * share) > math.floor(index * share)
+
+
+def with_repeats(windows: torch.Tensor, share: float, start: int = 0) -> torch.Tensor:
     """windows (N, L) with floor(share * N) of them, spread evenly, rebuilt as their first half twice: text in which
-    the model copies (the second half's next token is in the first). The rest are unchanged."""
+    the model copies (the second half's next token is in the first). The rest are unchanged. `start`: the index of
+    the first window in a longer stream (a training batch), so the spread runs across batches."""
     n, length = windows.shape
-    picked = [i for i in range(n) if math.floor((i + 1) * share) > math.floor(i * share)]
+    picked = [i for i in range(n) if repeats_window(start + i, share)]
     if not picked or length < 4:
         return windows
     out = windows.clone()

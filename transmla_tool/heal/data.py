@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..data import iter_mixed_windows
+from ..data import iter_mixed_windows, with_repeats
 from ..errors import UserError
 
 
@@ -28,8 +28,9 @@ def shuffled(items: Iterator, buffer: int, rng: random.Random) -> Iterator:
 
 def train_batches(spec: str, tokenizer, seq_len: int, batch_size: int, *, seed: int = 0, process_index: int = 0,
                   num_processes: int = 1, shuffle_buffer: int = 1024, text_field: str = "text",
-                  skip: int = 0) -> Iterator[torch.Tensor]:
-    """Endless (B, L) batches for one process; each epoch reshuffles with seed + epoch."""
+                  skip: int = 0, repeat_share: float = 0.0) -> Iterator[torch.Tensor]:
+    """Endless (B, L) batches for one process; each epoch reshuffles with seed + epoch. `repeat_share` of the windows,
+    spread evenly over the stream, become their first half twice (data.with_repeats): text that asks for copying."""
     epoch, produced = 0, 0
     while True:
         rng = random.Random(seed + epoch)
@@ -43,7 +44,7 @@ def train_batches(spec: str, tokenizer, seq_len: int, batch_size: int, *, seed: 
                 dealt += 1
                 produced += 1
                 if produced > skip:
-                    yield torch.stack(batch)
+                    yield with_repeats(torch.stack(batch), repeat_share, (produced - 1) * batch_size)
                 batch = []
         if dealt == 0:
             raise UserError(f"{spec} has fewer than {batch_size * num_processes} windows of {seq_len} tokens; "

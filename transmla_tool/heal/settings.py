@@ -23,6 +23,9 @@ class HealSettings:
     teacher: str | None = None  # the source model; None trains on the LM loss alone
     teacher_gguf_file: str | None = None
     text_field: str = "text"
+    # share of the training windows rebuilt as their first half twice (data.with_repeats): distillation on text whose
+    # second half the teacher copies from the first, for the copying a low-rank cache loses (docs/benchmarks.md)
+    repeat_share: float = 0.0
     max_tokens: int = 2_000_000
     max_steps: int | None = None
     seq_len: int = 512
@@ -67,6 +70,8 @@ class HealSettings:
             raise UserError("--kd-weight and --lm-weight must be >= 0 and not both 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"--max-steps must be >= 1, got {self.max_steps} (leave it out to train --max-tokens)")
+        if not 0.0 <= self.repeat_share <= 1.0:
+            raise UserError(f"--repeat-share must be between 0 and 1, got {self.repeat_share}")
         if self.max_tokens < 1:
             raise UserError(f"--max-tokens must be >= 1, got {self.max_tokens}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
@@ -121,6 +126,8 @@ def fingerprint(settings: HealSettings, num_processes: int) -> dict:
     weights, the schedule or the data order (a changed --batch-size would skip the wrong batches)."""
     values = {k: v for k, v in asdict(settings).items() if k not in RESUMABLE_CHANGES}
     values["processes"] = num_processes
+    if not values["repeat_share"]:  # recorded only when used, so checkpoints from before it existed still resume
+        del values["repeat_share"]
     return values
 
 

@@ -231,7 +231,7 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
     batches = train_batches(settings.data, tokenizer, settings.seq_len, settings.batch_size, seed=settings.seed,
                             process_index=accelerator.process_index, num_processes=accelerator.num_processes,
                             shuffle_buffer=settings.shuffle_buffer, text_field=settings.text_field,
-                            skip=state["batches"])
+                            skip=state["batches"], repeat_share=settings.repeat_share)
     eval_windows = None
     if settings.eval_data:
         eval_windows = token_windows(settings.eval_data, tokenizer, eval_len, settings.eval_windows,
