@@ -175,6 +175,13 @@ def test_heal_benchmark_refuses_a_count_below_one_before_any_work(tmp_path, flag
     assert not (tmp_path / "heal").exists()
 
 
+def test_heal_benchmark_refuses_a_repeat_share_outside_zero_to_one_before_any_work(tmp_path):
+    run = _heal_script("--output-dir", str(tmp_path / "heal"), "--repeat-share", "1.5")
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1] == "--repeat-share must be between 0 and 1, got 1.5"
+    assert not (tmp_path / "heal").exists()
+
+
 def test_heal_run_keeps_the_text_it_started_with(tmp_path):
     """A run's data/ is written once and then read, not rewritten: a run resumed or rescored under another Python
     (whose standard library is the code and docs text) keeps its text."""
