@@ -12,12 +12,15 @@ mean loss over those positions; the original's and a checkpoint's accuracy are c
 
 Resumable: rows go to <output-dir>/copying.jsonl keyed by (model, span) and record the sequences' seed and count; a
 rerun scores only what is missing and refuses rows made with other sequences. copying.md is rebuilt from the file.
-Transformers, fp32, exact cache (no quantization in the way).
+Transformers, fp32, exact cache (no quantization in the way), unless a checkpoint names a llama.cpp cache type
+(`LABEL=DIR:iq4_nl`): then its attention reads keys and values through that cache's quantizer, bit-exact in torch
+(heal.model.to_natural), as the benchmarks under llama.cpp's cache do.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -31,6 +34,7 @@ from quality import _append, _read, check_same_scoring  # noqa: E402
 from transmla_tool.evaluate.lmeval import verdict  # noqa: E402
 from transmla_tool.evaluate.perplexity import LOGIT_CHUNK  # noqa: E402
 from transmla_tool.heal.loss import position_logits  # noqa: E402
+from transmla_tool.ops.kv_quant import CACHE_TYPES  # noqa: E402
 from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
 SKIP = 1000  # the random tokens avoid the vocabulary's first and last SKIP ids (special and byte tokens)
@@ -72,7 +76,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/copying")
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
     parser.add_argument("--checkpoint", action="append", default=[], metavar="LABEL=DIR",
-                        help="a converted or healed checkpoint to score beside the original (repeatable)")
+                        help="a converted or healed checkpoint to score beside the original (repeatable); "
+                        "LABEL=DIR:CACHE reads it through that llama.cpp cache type's quantizer (e.g. iq4_nl)")
     parser.add_argument("--spans", default="64,512,4096", help="span lengths; the repeat is that far back")
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
@@ -89,34 +94,64 @@ def main() -> None:
     spans = [int(s) for s in args.spans.split(",") if s]
     if bad := [s for s in spans if s < 2]:
         raise SystemExit(f"--spans {','.join(map(str, bad))}: a span needs at least 2 tokens")
-    models = [("original", None)]
+    models = [("original", None, None)]
     for spec in args.checkpoint:
-        label, sep, path = spec.partition("=")
-        if not sep or not label or not (Path(path) / "config.json").exists():
-            raise SystemExit(f"--checkpoint {spec!r}: give LABEL=DIR, a checkpoint transmla-tool wrote")
-        models.append((label, path))
+        label, path, cache = parse_checkpoint(spec)
+        models.append((label, path, cache))
     rows = _read(results)
     check_same_scoring(rows, results, {"sequences": args.sequences, "seed": args.seed, "source_model": args.model})
     done = {(r["model"], r["span"]) for r in rows}
-    from transmla_tool.evaluate.models import load_model
-
     directory, gguf = model_gguf(args.model)
     device = torch.device(args.device)
-    for label, path in models:
+    for label, path, cache in models:
         todo = [s for s in spans if (label, s) not in done]
         if not todo:
             continue
-        model = load_model(path or directory, None if path else gguf, torch.float32, device)
+        model = load_scored(path or directory, None if path else gguf, cache, device)
         vocab = model.get_output_embeddings().weight.shape[0]
         for span in todo:
             start = time.time()
             got = copy_scores(model, repeated_spans(vocab, span, args.sequences, args.seed), span, args.batch_size)
-            row = {"model": label, "checkpoint": path, "span": span, "sequences": args.sequences, "seed": args.seed,
+            row = {"model": label, "checkpoint": path, "cache": cache, "span": span, "sequences": args.sequences, "seed": args.seed,
                    "source_model": args.model, **got, "seconds": round(time.time() - start, 1)}
             _append(results, row)
             done.add((label, span))
         del model
     write_table(out)
+
+
+def load_scored(path: str, gguf: str | None, cache: str | None, device: torch.device):
+    """A model in fp32 for scoring; with `cache`, its attention reads keys and values through that llama.cpp cache
+    type's quantizer (heal.model.to_natural, as heal --cache-type trains)."""
+    from transmla_tool.evaluate.models import load_model
+
+    model = load_model(path, gguf, torch.float32, device)
+    if cache:
+        from transmla_tool.heal.model import to_natural
+
+        to_natural(model, cache)
+        model.config.use_cache = False  # the natural form scores whole windows and keeps no KV cache
+    return model
+
+
+def parse_checkpoint(spec: str) -> tuple[str, str, str | None]:
+    """LABEL=DIR or LABEL=DIR:CACHE -> (label, dir, cache type or None); one line naming the fix when wrong."""
+    from transmla_tool.errors import UserError
+    from transmla_tool.heal.settings import check_cache_row, check_cache_type
+
+    label, sep, path = spec.partition("=")
+    head, colon, tail = path.rpartition(":")
+    path, cache = (head, tail) if colon and tail in CACHE_TYPES else (path, None)
+    if not sep or not label or not (Path(path) / "config.json").exists():
+        raise SystemExit(f"--checkpoint {spec!r}: give LABEL=DIR or LABEL=DIR:CACHE, a checkpoint transmla-tool wrote")
+    if cache:
+        config = json.loads((Path(path) / "config.json").read_text())
+        try:
+            check_cache_type(cache)
+            check_cache_row(cache, config.get("kv_lora_rank", 0), config.get("qk_rope_head_dim", 0))
+        except UserError as exc:
+            raise SystemExit(f"--checkpoint {spec!r}: {exc}") from None
+    return label, path, cache
 
 
 def write_table(out: Path) -> None:

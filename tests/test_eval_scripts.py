@@ -1091,3 +1091,30 @@ def test_copying_scores_exactly_the_repeat_and_pairs_the_table(teacher_and_stude
     table = (tmp_path / "copying.md").read_text()
     assert "| a | 0.340 ± 0.010 (-36.0 ± 4.0, loss) |" in table
     assert "| b | 0.700 ± 0.010 (+0.0 ± 0.8, within noise) |" in table
+
+
+def test_copying_reads_a_checkpoint_through_the_cache_type_it_names(make_model, convert_tiny, teacher_and_student):
+    """eval/copying.py `LABEL=DIR:q4_0`: the checkpoint's attention reads its cache through the q4_0 quantizer (the
+    layers are replaced, and the scores move), a cache type the checkpoint's row cannot hold is one line, and a plain
+    LABEL=DIR stays exact."""
+    import torch
+
+    from transmla_tool.heal.model import NaturalAttention
+    from transmla_tool.methods import PRESETS
+
+    copying = _eval_module("copying")
+    wide, _, _ = convert_tiny(make_model("llama", kv_heads=2, head_dim=32), 32, rope_dim=32,
+                              method=PRESETS["closed-form"])
+    assert copying.parse_checkpoint(f"q={wide}:q4_0") == ("q", str(wide), "q4_0")
+    assert copying.parse_checkpoint(f"e={wide}") == ("e", str(wide), None)
+    _, student = teacher_and_student  # a latent that is no multiple of 32: no q4_0 row
+    with pytest.raises(SystemExit, match="--checkpoint 'q=.*:q4_0': --cache-type q4_0: "):
+        copying.parse_checkpoint(f"q={student}:q4_0")
+
+    exact = copying.load_scored(str(wide), None, None, torch.device("cpu"))
+    quantized = copying.load_scored(str(wide), None, "q4_0", torch.device("cpu"))
+    attention = [layer.self_attn for layer in quantized.model.layers]
+    assert all(isinstance(a, NaturalAttention) and a.cache_type == "q4_0" for a in attention)
+    ids = copying.repeated_spans(exact.get_output_embeddings().weight.shape[0], 16, 2, 0)
+    assert copying.copy_scores(quantized, ids, 16, batch_size=2)["nll"] != copying.copy_scores(exact, ids, 16,
+                                                                                               batch_size=2)["nll"]
