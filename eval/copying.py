@@ -113,8 +113,8 @@ def main() -> None:
         for span in todo:
             start = time.time()
             got = copy_scores(model, repeated_spans(vocab, span, args.sequences, args.seed), span, args.batch_size)
-            row = {"model": label, "checkpoint": path, "cache": cache, "span": span, "sequences": args.sequences, "seed": args.seed,
-                   "source_model": args.model, **got, "seconds": round(time.time() - start, 1)}
+            row = {"model": label, "checkpoint": path, "cache": cache, "span": span, "sequences": args.sequences,
+                   "seed": args.seed, "source_model": args.model, **got, "seconds": round(time.time() - start, 1)}
             _append(results, row)
             done.add((label, span))
         del model
