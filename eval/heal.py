@@ -41,7 +41,7 @@ from transmla_tool.errors import UserError
 from transmla_tool.evaluate.frontier import parse_cache_types
 from transmla_tool.evaluate.models import load_model, load_tokenizer
 from transmla_tool.evaluate.perplexity import perplexity
-from transmla_tool.heal.settings import check_cache_type
+from transmla_tool.heal.settings import check_cache_type, check_repeat_share
 from transmla_tool.heal.train import HealSettings, heal
 from transmla_tool.methods import recorded_method, resolve_method
 from transmla_tool.registry import MODELS, model_gguf
@@ -124,8 +124,6 @@ def main() -> None:
     for name in ("batch_size", "grad_accum", "save_total_limit"):  # not after the minutes of conversion
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 0.0 <= args.repeat_share <= 1.0:
-        raise SystemExit(f"--repeat-share must be between 0 and 1, got {args.repeat_share}")
     budget = args.latent_dim + args.rope_dim  # cached values per token per layer
     healed = healed_dir(Path(args.output_dir), budget)
     if args.frontier_only and not (healed / "healing.json").exists():
@@ -134,6 +132,7 @@ def main() -> None:
         device = resolve_device(args.device)
         method = resolve_method("default", args.overrides)  # a bad --set fails here, before any work
         check_cache_type(args.cache_type)
+        check_repeat_share(args.repeat_share)
         cache_types = parse_cache_types(args.cache_types) if args.cache_types else []
         original_types = parse_cache_types(args.frontier_original_types) if args.frontier_original_types else None
         if cache_types:

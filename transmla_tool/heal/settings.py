@@ -70,8 +70,7 @@ class HealSettings:
             raise UserError("--kd-weight and --lm-weight must be >= 0 and not both 0")
         if self.max_steps is not None and self.max_steps < 1:
             raise UserError(f"--max-steps must be >= 1, got {self.max_steps} (leave it out to train --max-tokens)")
-        if not 0.0 <= self.repeat_share <= 1.0:
-            raise UserError(f"--repeat-share must be between 0 and 1, got {self.repeat_share}")
+        check_repeat_share(self.repeat_share)
         if self.max_tokens < 1:
             raise UserError(f"--max-tokens must be >= 1, got {self.max_tokens}")
         if self.warmup_steps is not None and self.warmup_steps < 0:
@@ -89,6 +88,11 @@ class HealSettings:
         if not (Path(self.model) / "config.json").exists():
             raise UserError(f"--model {self.model} is not a directory written by transmla-tool convert")
         check_converted(self.model)
+
+
+def check_repeat_share(share: float) -> None:
+    if not 0.0 <= share <= 1.0:
+        raise UserError(f"--repeat-share must be between 0 and 1, got {share}")
 
 
 def check_cache_type(name: str | None) -> None:
