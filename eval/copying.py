@@ -1,6 +1,7 @@
 """Copying: how well a model continues a span of random tokens it has just seen, the original beside converted (or
-healed) checkpoints, at several distances. A cheap probe of what RULER's needles ask for (not of LAMBADA: a heal
-that restores copying leaves LAMBADA where it was, docs/benchmarks.md).
+healed) checkpoints, at several distances. A cheap probe of exact copying, and a proxy for neither LAMBADA nor
+RULER's needles 1-4K tokens back: a heal that restores copying leaves both where they were (docs/benchmarks.md,
+docs/long-context.md).
 
 Each sequence is a span of random tokens followed by the same span again. From the second token of the repeat on,
 the next token is written earlier in the window, `span` positions back: a model that copies attends sharply to one
