@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,8 @@ def smollm2_320(tmp_path_factory):
                                 rope_dim=64, calib_data=str(calib), calib_samples=16, calib_seq_len=256,
                                 dtype="float32", device="cpu", progress=False, method=PRESETS["closed-form"],
                                 pad_latent_to=pad))
-    return outputs, heldout
+    yield outputs, heldout
+    shutil.rmtree(root)  # GBs a module holds: gone when the module ends, not when the session does (a CI disk is shared)
 
 
 @pytest.mark.slow
@@ -262,7 +264,8 @@ def qwen_bias_free(tmp_path_factory):
         model=directory, gguf_file=name, output=str(out), latent_dim=256, rope_dim=64, calib_data=str(calib),
         calib_samples=16, calib_seq_len=256, dtype="float32", device="cpu", progress=False, target="vllm",
         pad_latent_to=512, method=dataclasses.replace(PRESETS["default"], refine_steps=4, refine_windows=4)))
-    return out, heldout
+    yield out, heldout
+    shutil.rmtree(root)  # 7 GB: test_real_qwen's full-rank conversion needs the room after this module
 
 
 @pytest.mark.slow
