@@ -23,6 +23,7 @@ with its stderr, MMLU, and the mean's difference from the original with an f16 c
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import tempfile
@@ -31,11 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from frontier import DEFAULT_MODEL  # noqa: E402
-from quality import _append, _read, check_same_scoring  # noqa: E402
+from quality import _append, _read, check_same_scoring, parse_checkpoint  # noqa: E402
 
 from transmla_tool.errors import UserError  # noqa: E402
 from transmla_tool.evaluate.lmeval import Z95, delta_entry  # noqa: E402
 from transmla_tool.evaluate.tasks import PRIMARY_METRIC, ZERO_SHOT  # noqa: E402
+from transmla_tool.ops.kv_quant import bytes_per_token_per_layer  # noqa: E402
 from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
 TASKS = (*ZERO_SHOT, "mmlu")
@@ -152,21 +154,15 @@ def _points(out: Path, frontier_rows: list[dict], args) -> list[dict]:
                        "gguf": gguf, "run_flags": {}, "caches": wanted.get(name, mla_caches),
                        "bytes": bytes_of("converted", calib, config, budget)})
     for spec in args.checkpoint:
-        label, _, directory = spec.partition("=")
-        directory, _, caches = directory.partition(":")
-        caches = [c for c in caches.split(",") if c] or mla_caches
-        if not directory or not (Path(directory) / "config.json").exists():
-            raise SystemExit(f"--checkpoint {spec!r}: give LABEL=DIR, DIR a checkpoint transmla-tool wrote")
-        import json
-
+        label, directory, caches = parse_checkpoint(spec, several_caches=True)
+        caches = caches or mla_caches
         config = json.loads((Path(directory) / "config.json").read_text())
-        budget = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-        element = {"f16": 2.0, "q8_0": 34 / 32, "iq4_nl": 18 / 32, "q4_0": 18 / 32, "q5_0": 22 / 32}
+        values = config["kv_lora_rank"] + config["qk_rope_head_dim"]
         points.append({"key": {"model": "healed" if (Path(directory) / "healing.json").exists() else "converted",
-                               "calib": "checkpoint", "config": label, "budget": budget},
+                               "calib": "checkpoint", "config": label, "budget": values},
                        "gguf": out / "gguf" / f"checkpoint-{label}-f32.gguf", "checkpoint": directory,
                        "run_flags": {}, "caches": caches,
-                       "bytes": {c: budget * element[c] for c in caches if c in element}})
+                       "bytes": {c: bytes_per_token_per_layer(values, 0, c) for c in caches}})
     if wanted and len(points) == (not args.skip_original) + len(args.checkpoint):
         raise SystemExit(f"--points {args.points!r}: no kept GGUF matches (keep them with frontier.py --keep-gguf)")
     return points

@@ -22,7 +22,6 @@ Transformers, fp32, exact cache (no quantization in the way), unless a checkpoin
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -31,12 +30,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from quality import _append, _read, check_same_scoring  # noqa: E402
+from quality import _append, _read, check_same_scoring, parse_checkpoint  # noqa: E402
 
 from transmla_tool.evaluate.lmeval import verdict  # noqa: E402
 from transmla_tool.evaluate.perplexity import LOGIT_CHUNK  # noqa: E402
 from transmla_tool.heal.loss import position_logits  # noqa: E402
-from transmla_tool.ops.kv_quant import CACHE_TYPES  # noqa: E402
 from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
 SKIP = 1000  # the random tokens avoid the vocabulary's first and last SKIP ids (special and byte tokens)
@@ -98,8 +96,8 @@ def main() -> None:
         raise SystemExit(f"--spans {','.join(map(str, bad))}: a span needs at least 2 tokens")
     models = [("original", None, None)]
     for spec in args.checkpoint:
-        label, path, cache = parse_checkpoint(spec)
-        models.append((label, path, cache))
+        label, path, caches = parse_checkpoint(spec)
+        models.append((label, path, caches[0] if caches else None))
     rows = _read(results)
     check_same_scoring(rows, results, {"sequences": args.sequences, "seed": args.seed, "source_model": args.model})
     done = {(r["model"], r["span"]) for r in rows}
@@ -134,26 +132,6 @@ def load_scored(path: str, gguf: str | None, cache: str | None, device: torch.de
         to_natural(model, cache)
         model.config.use_cache = False  # the natural form scores whole windows and keeps no KV cache
     return model
-
-
-def parse_checkpoint(spec: str) -> tuple[str, str, str | None]:
-    """LABEL=DIR or LABEL=DIR:CACHE -> (label, dir, cache type or None); one line naming the fix when wrong."""
-    from transmla_tool.errors import UserError
-    from transmla_tool.heal.settings import check_cache_row, check_cache_type
-
-    label, sep, path = spec.partition("=")
-    head, colon, tail = path.rpartition(":")
-    path, cache = (head, tail) if colon and tail in CACHE_TYPES else (path, None)
-    if not sep or not label or not (Path(path) / "config.json").exists():
-        raise SystemExit(f"--checkpoint {spec!r}: give LABEL=DIR or LABEL=DIR:CACHE, a checkpoint transmla-tool wrote")
-    if cache:
-        config = json.loads((Path(path) / "config.json").read_text())
-        try:
-            check_cache_type(cache)
-            check_cache_row(cache, config.get("kv_lora_rank", 0), config.get("qk_rope_head_dim", 0))
-        except UserError as exc:
-            raise SystemExit(f"--checkpoint {spec!r}: {exc}") from None
-    return label, path, cache
 
 
 def write_table(out: Path) -> None:

@@ -180,6 +180,36 @@ def check_same_scoring(rows: list[dict], results: Path, scoring: dict, unrecorde
                              "scores over other windows are not comparable, use a new --output-dir (or the same flags)")
 
 
+def parse_checkpoint(spec: str, several_caches: bool = False) -> tuple[str, str, list[str]]:
+    """`--checkpoint LABEL=DIR[:CACHE]` (`several_caches`: LABEL=DIR[:CACHE,CACHE...]) -> (label, dir, cache types),
+    DIR a checkpoint transmla-tool wrote and every cache type one its row [latent | rotary key] can be stored in; one
+    line naming the fix when wrong. A DIR whose own name holds a colon is taken whole."""
+    from transmla_tool.errors import UserError
+    from transmla_tool.heal.settings import check_cache_row
+    from transmla_tool.ops.kv_quant import cache_type
+
+    label, sep, path = spec.partition("=")
+    caches: list[str] = []
+    if not (Path(path) / "config.json").exists():
+        head, colon, tail = path.rpartition(":")
+        if colon:
+            path, caches = head, [c for c in tail.split(",") if c]
+    form = "LABEL=DIR or LABEL=DIR:CACHE" + (",CACHE..." if several_caches else "")
+    if not sep or not label or not (Path(path) / "config.json").exists():
+        raise SystemExit(f"--checkpoint {spec!r}: give {form}, DIR a checkpoint transmla-tool wrote")
+    if len(caches) > 1 and not several_caches:
+        raise SystemExit(f"--checkpoint {spec!r}: one cache type per checkpoint here; repeat --checkpoint with "
+                         "another label for another cache type")
+    config = json.loads((Path(path) / "config.json").read_text())
+    for name in caches:
+        try:
+            cache_type(name)
+            check_cache_row(name, config.get("kv_lora_rank", 0), config.get("qk_rope_head_dim", 0))
+        except (ValueError, UserError) as exc:
+            raise SystemExit(f"--checkpoint {spec!r}: {exc}") from None
+    return label, path, caches
+
+
 def _append(path: Path, row: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")

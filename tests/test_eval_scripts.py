@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -1093,6 +1094,27 @@ def test_copying_scores_exactly_the_repeat_and_pairs_the_table(teacher_and_stude
     assert "| b | 0.700 ± 0.010 (+0.0 ± 0.8, within noise) |" in table
 
 
+def test_checkpoint_specs_parse_alike_in_every_script(make_model, convert_tiny):
+    """eval/quality.parse_checkpoint serves copying.py (one simulated cache) and benchmarks.py (llama.cpp caches, a
+    list): a list where one is allowed, an unknown cache type, a missing directory and a colon in a directory's own
+    name each get their answer."""
+    from transmla_tool.methods import PRESETS
+
+    quality = _eval_module("quality")
+    wide, _, _ = convert_tiny(make_model("llama", kv_heads=2, head_dim=32), 32, rope_dim=32,
+                              method=PRESETS["closed-form"])
+    assert quality.parse_checkpoint(f"b={wide}:f16,iq4_nl", several_caches=True) == ("b", str(wide), ["f16", "iq4_nl"])
+    with pytest.raises(SystemExit, match="one cache type per checkpoint here"):
+        quality.parse_checkpoint(f"b={wide}:f16,iq4_nl")
+    with pytest.raises(SystemExit, match="unknown cache type 'q4_k'"):
+        quality.parse_checkpoint(f"b={wide}:f16,q4_k", several_caches=True)
+    with pytest.raises(SystemExit, match="give LABEL=DIR or LABEL=DIR:CACHE,CACHE..., DIR a checkpoint"):
+        quality.parse_checkpoint(f"b={wide}-missing:f16", several_caches=True)
+    colon = Path(wide).parent / "run:1"
+    shutil.copytree(wide, colon)
+    assert quality.parse_checkpoint(f"c={colon}") == ("c", str(colon), [])
+
+
 def test_copying_reads_a_checkpoint_through_the_cache_type_it_names(make_model, convert_tiny, teacher_and_student):
     """eval/copying.py `LABEL=DIR:q4_0`: the checkpoint's attention reads its cache through the q4_0 quantizer (the
     layers are replaced, and the scores move), a cache type the checkpoint's row cannot hold is one line, and a plain
@@ -1105,8 +1127,8 @@ def test_copying_reads_a_checkpoint_through_the_cache_type_it_names(make_model, 
     copying = _eval_module("copying")
     wide, _, _ = convert_tiny(make_model("llama", kv_heads=2, head_dim=32), 32, rope_dim=32,
                               method=PRESETS["closed-form"])
-    assert copying.parse_checkpoint(f"q={wide}:q4_0") == ("q", str(wide), "q4_0")
-    assert copying.parse_checkpoint(f"e={wide}") == ("e", str(wide), None)
+    assert copying.parse_checkpoint(f"q={wide}:q4_0") == ("q", str(wide), ["q4_0"])
+    assert copying.parse_checkpoint(f"e={wide}") == ("e", str(wide), [])
     _, student = teacher_and_student  # a latent that is no multiple of 32: no q4_0 row
     with pytest.raises(SystemExit, match="--checkpoint 'q=.*:q4_0': --cache-type q4_0: "):
         copying.parse_checkpoint(f"q={student}:q4_0")
