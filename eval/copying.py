@@ -35,6 +35,7 @@ from quality import _append, _read, check_same_scoring, parse_checkpoint  # noqa
 from transmla_tool.evaluate.lmeval import verdict  # noqa: E402
 from transmla_tool.evaluate.perplexity import LOGIT_CHUNK  # noqa: E402
 from transmla_tool.heal.loss import position_logits  # noqa: E402
+from transmla_tool.heal.settings import check_cache_type  # noqa: E402
 from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
 SKIP = 1000  # the random tokens avoid the vocabulary's first and last SKIP ids (special and byte tokens)
@@ -96,7 +97,7 @@ def main() -> None:
         raise SystemExit(f"--spans {','.join(map(str, bad))}: a span needs at least 2 tokens")
     models = [("original", None, None)]
     for spec in args.checkpoint:
-        label, path, caches = parse_checkpoint(spec)
+        label, path, caches = parse_checkpoint(spec, check_type=check_cache_type)  # simulated in torch
         models.append((label, path, caches[0] if caches else None))
     rows = _read(results)
     check_same_scoring(rows, results, {"sequences": args.sequences, "seed": args.seed, "source_model": args.model})

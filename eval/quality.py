@@ -180,13 +180,17 @@ def check_same_scoring(rows: list[dict], results: Path, scoring: dict, unrecorde
                              "scores over other windows are not comparable, use a new --output-dir (or the same flags)")
 
 
-def parse_checkpoint(spec: str, several_caches: bool = False) -> tuple[str, str, list[str]]:
+def parse_checkpoint(spec: str, several_caches: bool = False, check_type=None) -> tuple[str, str, list[str]]:
     """`--checkpoint LABEL=DIR[:CACHE]` (`several_caches`: LABEL=DIR[:CACHE,CACHE...]) -> (label, dir, cache types),
     DIR a checkpoint transmla-tool wrote and every cache type one its row [latent | rotary key] can be stored in; one
-    line naming the fix when wrong. A DIR whose own name holds a colon is taken whole."""
+    line naming the fix when wrong. A DIR whose own name holds a colon is taken whole. `check_type` (default: any
+    type kv_quant knows) raises on a type the caller cannot use, e.g. heal.settings.check_cache_type where the cache
+    is simulated in torch."""
     from transmla_tool.errors import UserError
     from transmla_tool.heal.settings import check_cache_row
     from transmla_tool.ops.kv_quant import cache_type
+
+    check_type = check_type or cache_type
 
     label, sep, path = spec.partition("=")
     caches: list[str] = []
@@ -203,7 +207,7 @@ def parse_checkpoint(spec: str, several_caches: bool = False) -> tuple[str, str,
     config = json.loads((Path(path) / "config.json").read_text())
     for name in caches:
         try:
-            cache_type(name)
+            check_type(name)
             check_cache_row(name, config.get("kv_lora_rank", 0), config.get("qk_rope_head_dim", 0))
         except (ValueError, UserError) as exc:
             raise SystemExit(f"--checkpoint {spec!r}: {exc}") from None

@@ -1110,6 +1110,10 @@ def test_checkpoint_specs_parse_alike_in_every_script(make_model, convert_tiny):
         quality.parse_checkpoint(f"b={wide}:f16,q4_k", several_caches=True)
     with pytest.raises(SystemExit, match="give LABEL=DIR or LABEL=DIR:CACHE,CACHE..., DIR a checkpoint"):
         quality.parse_checkpoint(f"b={wide}-missing:f16", several_caches=True)
+    from transmla_tool.heal.settings import check_cache_type  # copying.py's: a cache simulated in torch, f32 none
+    assert quality.parse_checkpoint(f"b={wide}:f32") == ("b", str(wide), ["f32"])
+    with pytest.raises(SystemExit, match="--cache-type f32: healing can train through"):
+        quality.parse_checkpoint(f"b={wide}:f32", check_type=check_cache_type)
     colon = Path(wide).parent / "run:1"
     shutil.copytree(wide, colon)
     assert quality.parse_checkpoint(f"c={colon}") == ("c", str(colon), [])
