@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -451,6 +452,25 @@ def test_the_loss_at_length_holds_one_chunk_of_logits_and_trains_the_same(teache
     first, second = load_file(whole / "model.safetensors"), load_file(chunked / "model.safetensors")
     for key in first:
         assert rel_err(first[key], second[key]) < 1e-4, key
+
+
+def test_gradient_checkpointing_recomputes_every_layer_and_trains_the_same(teacher_and_student, text_file, tmp_path):
+    """--gradient-checkpointing: every decoder layer recomputes in the backward pass (the modules' own flags, read
+    back into the summary), turned on through transformers' current name (the deprecated one's FutureWarning is an
+    error here), and the run equals one without it to rounding."""
+    teacher, student = teacher_and_student
+    plain, checkpointed = tmp_path / "plain", tmp_path / "checkpointed"
+    a = heal(_settings(teacher, student, text_file, plain, max_steps=3, eval_every=3))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*gradient_checkpointing", category=FutureWarning)
+        b = heal(_settings(teacher, student, text_file, checkpointed, max_steps=3, eval_every=3,
+                           gradient_checkpointing=True))
+    layers = json.loads((Path(student) / "config.json").read_text())["num_hidden_layers"]
+    assert a["checkpointed_layers"] == 0 and b["checkpointed_layers"] == layers
+    for row, other in zip(_log(plain), _log(checkpointed), strict=True):
+        for key in ("loss", "kd", "lm", "eval_perplexity"):
+            if key in row:
+                assert abs(row[key] - other[key]) <= 1e-4 * abs(row[key]), (key, row, other)
 
 
 def test_chunked_distill_loss_equals_the_whole_one_with_its_gradient():

@@ -173,7 +173,7 @@ def _models(settings: HealSettings, accelerator):
     for name, param in student.named_parameters():
         param.requires_grad_(settings.train == "all" or is_attention_param(name))
     if settings.gradient_checkpointing:
-        student.gradient_checkpointing_enable()
+        checkpoint_activations(student)
     student.config.use_cache = False
     trainable = [p for p in student.parameters() if p.requires_grad]
 
@@ -185,6 +185,24 @@ def _models(settings: HealSettings, accelerator):
         if teacher.config.vocab_size != config.vocab_size:
             raise UserError("teacher and student vocabularies differ; pass the model the student was converted from")
     return tokenizer, student, trainable, teacher, config, output_dtype
+
+
+def checkpoint_activations(model) -> None:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them. transformers renamed
+    gradient_checkpointing_enable to activation_checkpointing_enable in 5.2x (the old name warns, and goes in v6); the
+    oldest transformers allowed has only the old one."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    if not checkpointed_layers(model):
+        raise UserError(f"{type(model).__name__} did not turn activation checkpointing on; heal without "
+                        "--gradient-checkpointing")
+
+
+def checkpointed_layers(model) -> int:
+    """How many of the model's layers recompute their activations in the backward pass."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing for m in model.modules())
 
 
 def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, precision: str, on_step) -> dict:
@@ -341,6 +359,8 @@ def _train(settings: HealSettings, accelerator, ckpt_dir: Path, resume_from, pre
                "checkpoint_dir_mb": round(_dir_mb(ckpt_dir), 1) if main else None,
                # positions whose logits were alive at once (None: whole windows), and the steps that checked it
                "loss_chunk": chunk or None, "loss_chunk_checks": student_hidden.checks if chunk else 0,
+               # decoder layers recomputed in the backward pass (--gradient-checkpointing; 0: none)
+               "checkpointed_layers": checkpointed_layers(accelerator.unwrap_model(student)),
                # this process's peak memory (MiB; RSS from the kernel, GPU from torch): loading the models and the
                # text, the training steps alone, the held-out evaluations between them (None: none ran in this
                # process), and the process's peak up to the export (the saving of checkpoints included)
