@@ -188,9 +188,9 @@ def _models(settings: HealSettings, accelerator):
 
 
 def checkpoint_activations(model) -> None:
-    """Recompute each decoder layer's activations in the backward pass instead of keeping them. transformers renamed
-    gradient_checkpointing_enable to activation_checkpointing_enable in 5.2x (the old name warns, and goes in v6); the
-    oldest transformers allowed has only the old one."""
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them. transformers 5.25 calls
+    it activation_checkpointing_enable and deprecates gradient_checkpointing_enable (a FutureWarning; gone in v6); 5.15,
+    the oldest allowed, has only the old name."""
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable()
     if not checkpointed_layers(model):
