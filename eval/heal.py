@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "reference, always): e.g. f16 alone where its quantized caches were scored elsewhere")
     parser.add_argument("--frontier-chunks", type=int, default=16, help="llama-perplexity windows of --frontier-ctx")
     parser.add_argument("--frontier-ctx", type=int, default=512,
-                        help="llama-perplexity window length of the frontier placement (the serving length)")
+                        help="llama-perplexity window length of the frontier placement (the serving length); "
+                             "kept in frontier.json at 512, frontier-<ctx>.json at any other length")
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--eval-seq-len", type=int, default=None,
                         help="length of the held-out windows, the original's included (default: --seq-len): e.g. "
@@ -289,12 +290,18 @@ def with_rebalanced(checkpoints: dict, balance: str | None, calib: str, device: 
     return out
 
 
+def frontier_record(out: Path, ctx: int) -> Path:
+    """Where a heal's llama.cpp placement at `ctx` tokens is kept: frontier.json at 512 (the name runs made before
+    other lengths were scored keep), frontier-<ctx>.json otherwise. Scores of two lengths never share a record."""
+    return out / ("frontier.json" if ctx == 512 else f"frontier-{ctx}.json")
+
+
 def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, heldout: Path, cache_types: list[str],
                       chunks: int, ctx: int = 512, original_types: list[str] | None = None) -> None:
     """llama.cpp perplexity of the original and of each checkpoint on the held-out documents under each cache type
     (the original under original_types, default the same, f16 always): where healing moves the model on the
-    quality-per-byte frontier. Appends a table to heal.md; frontier.json keeps the types scored before and adds
-    these."""
+    quality-per-byte frontier. Appends a table to heal.md; the record of this length (frontier_record) keeps the
+    types scored before and adds these. Each length has its own record: scoring at 8192 leaves the 512 one alone."""
     import tempfile
 
     from transmla_tool.engines.llamacpp import build_label, llama_cpp_version
@@ -304,7 +311,8 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
     text.write_text("\n\n".join(json.loads(line)["text"] for line in heldout.read_text().splitlines() if line.strip()))
     # each score is kept as it comes (one 4-bit run at 8192 tokens takes 10-18 minutes on 2 cores): a rerun of the
     # same placement, same build, windows and text, measures only what the interrupted one had not
-    partial = out / "frontier.partial.json"
+    record_path = frontier_record(out, ctx)
+    partial = record_path.with_suffix(".partial.json")
     run = {"version": llama_cpp_version(), "chunks": chunks, "ctx": ctx,
            "text_sha256": hashlib.sha256(text.read_bytes()).hexdigest()}
     known = {}
@@ -323,7 +331,7 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
                                    cache_types, tmp, known=known, on_scored=keep)
     engine = {"version": llama_cpp_version(),
               "cpu_kernels": sorted({m["cpu_kernels"] for types in scored.values() for m in types.values()})}
-    earlier = json.loads((out / "frontier.json").read_text()) if (out / "frontier.json").exists() else {}
+    earlier = json.loads(record_path.read_text()) if record_path.exists() else {}
     # keep the cache types scored before (a rerun adds types, it does not drop them), but only when the same
     # llama.cpp build on the same CPU kernels scored them: a quantized cache's perplexity moves between builds
     if earlier.get("chunks") == chunks and earlier.get("ctx", 512) == ctx and earlier.get("engine") == engine:
@@ -331,15 +339,14 @@ def place_on_frontier(out: Path, model_dir: str, gguf: str, checkpoints: dict, h
             earlier["scored"].setdefault(key, {}).update(types)
         scored = earlier["scored"]
     elif earlier:
-        print(f"note: {out / 'frontier.json'} was scored by {earlier.get('engine', 'an unrecorded llama.cpp build')} "
+        print(f"note: {record_path} was scored by {earlier.get('engine', 'an unrecorded llama.cpp build')} "
               f"with {earlier.get('chunks')} windows of {earlier.get('ctx', 512)}; this is {engine} with {chunks} of "
               f"{ctx}: its scores are replaced, not merged (a rerun scores every cache type it should keep)")
     reference = scored["original"]["f16"]["perplexity"]
     points = [Point(label=key, kind="original" if key == "original" else "converted", cache=entry,
                     bytes=round(m["bytes"], 1), ratio=m["perplexity"] / reference)
               for key, types in scored.items() for entry, m in types.items()]
-    (out / "frontier.json").write_text(json.dumps({"scored": scored, "chunks": chunks, "ctx": ctx, "engine": engine},
-                                                  indent=2))
+    record_path.write_text(json.dumps({"scored": scored, "chunks": chunks, "ctx": ctx, "engine": engine}, indent=2))
     partial.unlink(missing_ok=True)
     lines = ["", f"## Where it lands: llama.cpp perplexity on {heldout.name} per cache byte ({chunks} windows of {ctx})",
              "", f"({build_label(engine['version'], engine['cpu_kernels'])})",

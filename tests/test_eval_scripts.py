@@ -274,18 +274,20 @@ def test_heal_frontier_only_adds_cache_types_to_a_finished_run(tmp_path, monkeyp
     assert "| healed 8 tokens | iq4_nl |" in (out / "heal.md").read_text()
     assert "(llama.cpp test, CPU kernels SSE3 AVX AVX2)" in (out / "heal.md").read_text()
     assert "(16 windows of 512)" in (out / "heal.md").read_text()
-    # --frontier-ctx 2048: the 512-token scores are replaced, never put beside the 2048-token ones
+    # --frontier-ctx 2048: its own record; the 512-token scores stay where they were, never beside the 2048 ones
+    at_512 = (out / "frontier.json").read_text()
     heal_script.place_on_frontier(out, "model", "model.gguf", {"healed 8 tokens": out / "healed"}, heldout,
                                   ["iq4_nl"], 16, 2048)
-    record = json.loads((out / "frontier.json").read_text())
+    record = json.loads((out / "frontier-2048.json").read_text())
     assert record["ctx"] == 2048 and record["scored"]["healed 8 tokens"] == {"iq4_nl": new}
+    assert (out / "frontier.json").read_text() == at_512
     assert "(16 windows of 2048)" in (out / "heal.md").read_text()
 
 
 def test_heal_frontier_placement_resumes_after_an_interruption(tmp_path, monkeypatch):
     """Each llama.cpp score is kept as it comes (frontier.partial.json): a placement killed midway, rerun, measures
     only what was left, and exports only the models still unscored; a partial record of other windows is ignored.
-    The engine is a stand-in that counts what it is asked; frontier.json appears only once everything is scored."""
+    The engine is a stand-in that counts what it is asked; frontier-8192.json appears only once everything is scored."""
     import transmla_tool.engines.llamacpp as llamacpp
     import transmla_tool.gguf_export as gguf_export
 
@@ -318,8 +320,8 @@ def test_heal_frontier_placement_resumes_after_an_interruption(tmp_path, monkeyp
     fail_at[0] = 3  # killed while scoring the healed model
     with pytest.raises(RuntimeError, match="killed"):
         place()
-    assert not (out / "frontier.json").exists()
-    assert json.loads((out / "frontier.partial.json").read_text())["scored"] == {
+    assert not (out / "frontier-8192.json").exists()
+    assert json.loads((out / "frontier-8192.partial.json").read_text())["scored"] == {
         "original": {"f16": {"perplexity": 11.0, "bytes": 108.0, "chunks": 2, "cpu_kernels": "AVX2"}},
         "converted": {"iq4_nl": {"perplexity": 12.0, "bytes": 108.0, "chunks": 2, "cpu_kernels": "AVX2"}}}
     calls.clear(), made.clear()
@@ -327,12 +329,12 @@ def test_heal_frontier_placement_resumes_after_an_interruption(tmp_path, monkeyp
     place()
     assert calls == [("checkpoint-healed 8 tokens-f32.gguf", "iq4_nl")]
     assert made == ["checkpoint-healed 8 tokens-f32.gguf"]  # neither the original nor the conversion re-exported
-    record = json.loads((out / "frontier.json").read_text())
+    record = json.loads((out / "frontier-8192.json").read_text())
     assert {k: {t: m["perplexity"] for t, m in v.items()} for k, v in record["scored"].items()} == {
         "original": {"f16": 11.0}, "converted": {"iq4_nl": 12.0}, "healed 8 tokens": {"iq4_nl": 11.0}}
-    assert not (out / "frontier.partial.json").exists()
-    # a partial record of other windows (here 512 tokens) is not taken: everything is measured again
-    (out / "frontier.partial.json").write_text(json.dumps({
+    assert not (out / "frontier-8192.partial.json").exists() and not (out / "frontier.json").exists()
+    # a partial record of other windows (here 512 tokens, put where 8192's goes) is not taken: all measured again
+    (out / "frontier-8192.partial.json").write_text(json.dumps({
         "version": "llama.cpp test", "chunks": 2, "ctx": 512, "text_sha256": "x", "scored": record["scored"]}))
     calls.clear()
     place()
