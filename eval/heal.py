@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto",
                         help="where the conversion, the reference perplexity and the rebalancing run (auto: a GPU when "
                         "there is one); the healing itself runs where accelerate puts it")
+    parser.add_argument("--frontier-models", default="converted,healed",
+                        help="which of the run's models the llama.cpp placement scores beside the original (e.g. "
+                        "`healed` alone: a 4-bit cache at 8192 tokens is ~18 minutes a model on 2 cores)")
     parser.add_argument("--frontier-only", action="store_true",
                         help="score a finished run's conversion and healed model under --cache-types again (e.g. a "
                         "cache type added later), without converting or healing")
@@ -122,6 +125,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.frontier_only and not args.cache_types:
         raise SystemExit("--frontier-only needs --cache-types")
+    placed = [m for m in args.frontier_models.split(",") if m]
+    if not placed or set(placed) - {"converted", "healed"}:
+        raise SystemExit(f"--frontier-models {args.frontier_models!r}: give converted, healed or both "
+                         "(comma-separated)")
     for name in ("batch_size", "grad_accum", "save_total_limit"):  # not after the minutes of conversion
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -161,7 +168,7 @@ def main() -> None:
     converted = out / f"converted-{budget}"
     if args.frontier_only:
         tokens = json.loads((healed / "healing.json").read_text())["tokens"]
-        checkpoints = {"converted": converted, f"healed {tokens} tokens": healed}
+        checkpoints = frontier_models(converted, healed, tokens, placed)
         checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device))
         place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks,
                           args.frontier_ctx, original_types)
@@ -221,7 +228,7 @@ def main() -> None:
                   "the original's is exact)")
     write_report(out, rows, original, summary, setup, f"{args.latent_dim} + {args.rope_dim}", args.model)
     if cache_types:
-        checkpoints = {"converted": converted, f"healed {summary['tokens']} tokens": healed}
+        checkpoints = frontier_models(converted, healed, summary["tokens"], placed)
         checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device))
         place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks,
                           args.frontier_ctx, original_types)
@@ -288,6 +295,12 @@ def with_rebalanced(checkpoints: dict, balance: str | None, calib: str, device: 
                                         device=device, overwrite=True))
         out[f"{label} +{balance}"] = target
     return out
+
+
+def frontier_models(converted: Path, healed: Path, tokens: int, placed: list[str]) -> dict:
+    """The run's models the placement scores, by label (--frontier-models): the conversion, the healed model."""
+    models = {"converted": ("converted", converted), "healed": (f"healed {tokens} tokens", healed)}
+    return dict(models[name] for name in ("converted", "healed") if name in placed)
 
 
 def frontier_record(out: Path, ctx: int) -> Path:

@@ -284,6 +284,20 @@ def test_heal_frontier_only_adds_cache_types_to_a_finished_run(tmp_path, monkeyp
     assert "(16 windows of 2048)" in (out / "heal.md").read_text()
 
 
+def test_heal_frontier_models_picks_what_the_placement_scores(tmp_path):
+    """--frontier-models: the healed model alone (a 4-bit cache at 8192 tokens costs ~18 minutes a model), the
+    conversion alone, or both in the run's order; anything else stops before any work with one line."""
+    heal_script = _eval_module("heal")
+    converted, healed = tmp_path / "converted-192", tmp_path / "healed-192"
+    assert heal_script.frontier_models(converted, healed, 8, ["healed"]) == {"healed 8 tokens": healed}
+    assert heal_script.frontier_models(converted, healed, 8, ["converted"]) == {"converted": converted}
+    assert list(heal_script.frontier_models(converted, healed, 8, ["healed", "converted"])) == [
+        "converted", "healed 8 tokens"]
+    run = _heal_script("--output-dir", str(tmp_path / "heal"), "--frontier-models", "healed,original")
+    assert run.returncode != 0 and "--frontier-models 'healed,original': give converted, healed or both" in run.stderr
+    assert not (tmp_path / "heal").exists()
+
+
 def test_heal_frontier_placement_resumes_after_an_interruption(tmp_path, monkeypatch):
     """Each llama.cpp score is kept as it comes (frontier.partial.json): a placement killed midway, rerun, measures
     only what was left, and exports only the models still unscored; a partial record of other windows is ignored.
