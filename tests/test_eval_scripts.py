@@ -299,9 +299,10 @@ def test_heal_frontier_models_picks_what_the_placement_scores(tmp_path):
 
 
 def test_heal_frontier_placement_resumes_after_an_interruption(tmp_path, monkeypatch):
-    """Each llama.cpp score is kept as it comes (frontier.partial.json): a placement killed midway, rerun, measures
-    only what was left, and exports only the models still unscored; a partial record of other windows is ignored.
-    The engine is a stand-in that counts what it is asked; frontier-8192.json appears only once everything is scored."""
+    """Each llama.cpp score is kept as it comes (frontier-<ctx>.partial.json): a placement killed midway, rerun,
+    measures only what was left, and exports only the models still unscored; a partial record of other windows is
+    ignored. The engine is a stand-in that counts what it is asked; frontier-8192.json appears only once everything
+    is scored."""
     import transmla_tool.engines.llamacpp as llamacpp
     import transmla_tool.gguf_export as gguf_export
 
