@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "balance after the fact (`transmla-tool rebalance`, measured on the run's calibration text), "
                         "as extra rows (the same model again when the conversion already carries it, as the default "
                         "does)")
+    parser.add_argument("--rebalanced-only", action="store_true",
+                        help="with --rebalance, place only the balanced copies (e.g. a 4-bit cache at 8192 tokens, "
+                        "where the balanced copy is the one served and each model costs ~18 minutes on 2 cores)")
     parser.add_argument("--device", default="auto",
                         help="where the conversion, the reference perplexity and the rebalancing run (auto: a GPU when "
                         "there is one); the healing itself runs where accelerate puts it")
@@ -126,6 +129,8 @@ def main() -> None:
     if args.frontier_only and not args.cache_types:
         raise SystemExit("--frontier-only needs --cache-types")
     placed = [m for m in args.frontier_models.split(",") if m]
+    if args.rebalanced_only and args.rebalance is None:
+        raise SystemExit("--rebalanced-only needs --rebalance (partial or energy)")
     if not placed or set(placed) - {"converted", "healed"}:
         raise SystemExit(f"--frontier-models {args.frontier_models!r}: give converted, healed or both "
                          "(comma-separated)")
@@ -169,7 +174,7 @@ def main() -> None:
     if args.frontier_only:
         tokens = json.loads((healed / "healing.json").read_text())["tokens"]
         checkpoints = frontier_models(converted, healed, tokens, placed)
-        checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device))
+        checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device), args.rebalanced_only)
         place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks,
                           args.frontier_ctx, original_types)
         return
@@ -229,7 +234,7 @@ def main() -> None:
     write_report(out, rows, original, summary, setup, f"{args.latent_dim} + {args.rope_dim}", args.model)
     if cache_types:
         checkpoints = frontier_models(converted, healed, summary["tokens"], placed)
-        checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device))
+        checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device), args.rebalanced_only)
         place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks,
                           args.frontier_ctx, original_types)
 
@@ -280,14 +285,16 @@ def balanced_dir(path: Path, balance: str) -> Path:
     return Path(f"{path}-{balance}")
 
 
-def with_rebalanced(checkpoints: dict, balance: str | None, calib: str, device: str = "cpu") -> dict:
-    """The checkpoints, plus each one's rotary key balanced (`<dir>-<balance>`, labelled `+<balance>`) when asked;
-    balanced on the calibration text, never on the held-out domain. A balanced directory already there is reused."""
+def with_rebalanced(checkpoints: dict, balance: str | None, calib: str, device: str = "cpu",
+                    only: bool = False) -> dict:
+    """The checkpoints, plus each one's rotary key balanced (`<dir>-<balance>`, labelled `+<balance>`) when asked
+    (only the balanced copies with `only`); balanced on the calibration text, never on the held-out domain. A balanced
+    directory already there is reused."""
     if balance is None:
         return checkpoints
     from transmla_tool.rebalance import RebalanceSettings, rebalance
 
-    out = dict(checkpoints)
+    out = {} if only else dict(checkpoints)
     for label, path in checkpoints.items():
         target = balanced_dir(path, balance)
         if not (target / "rebalance.json").exists():

@@ -296,6 +296,9 @@ def test_heal_frontier_models_picks_what_the_placement_scores(tmp_path):
     run = _heal_script("--output-dir", str(tmp_path / "heal"), "--frontier-models", "healed,original")
     assert run.returncode != 0 and "--frontier-models 'healed,original': give converted, healed or both" in run.stderr
     assert not (tmp_path / "heal").exists()
+    run = _heal_script("--output-dir", str(tmp_path / "heal"), "--rebalanced-only")
+    assert run.returncode != 0 and "--rebalanced-only needs --rebalance" in run.stderr
+    assert not (tmp_path / "heal").exists()
 
 
 def test_heal_frontier_placement_resumes_after_an_interruption(tmp_path, monkeypatch):
@@ -400,6 +403,10 @@ def test_heal_rebalanced_rows(make_model, convert_tiny, text_file, tmp_path):
     assert (balanced / "rebalance.json").exists()
     stamp = (balanced / "model.safetensors").stat().st_mtime_ns
     heal_script.with_rebalanced({"converted": converted}, "partial", str(text_file))
+    assert (balanced / "model.safetensors").stat().st_mtime_ns == stamp
+    # --rebalanced-only: the balanced copy alone (the served one), reused, not written again
+    assert heal_script.with_rebalanced({"converted": converted}, "partial", str(text_file), only=True) == {
+        "converted +partial": balanced}
     assert (balanced / "model.safetensors").stat().st_mtime_ns == stamp
 
 
