@@ -11,9 +11,13 @@ the haystacks is the original's.
         --checkpoint "160+32=runs/bench-heal/converted-192" --engine llamacpp --cache-types f16,iq4_nl
     python eval/ruler.py ... --checkpoint "320+64=runs/bench/gguf/mix-docs-r200-384-f32.gguf"   # a kept GGUF
 
-Resumable: rows go to <output-dir>/ruler.jsonl keyed by (model, engine, cache, task, length) and keep each sample's
-0/1 match, so a converted model's accuracy is compared with the original's on the same samples (paired). ruler.md
-is rebuilt from the file.
+Resumable: rows go to <output-dir>/ruler.jsonl keyed by (model, engine, cache, task, length, offset) and keep each
+sample's 0/1 match, so a converted model's accuracy is compared with the original's on the same samples (paired).
+ruler.md is rebuilt from the file. Ten samples tell 8 of 10 from 4 of 10 only at about two stderrs: `--offset 10`
+scores the next ten of the same generated rows without scoring the first ten again, and the table merges a model's
+rows by sample index (a difference is paired over the samples both models hold):
+
+    python eval/ruler.py --output-dir runs/ruler --lengths 8192 --limit 10 --offset 10 --checkpoint ...
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3")
 
 
 def _key(row: dict) -> tuple:
-    return (row["model"], row["engine"], row["cache"], row["task"], row["length"])
+    return (row["model"], row["engine"], row["cache"], row["task"], row["length"], row.get("offset", 0))
 
 
 def main() -> None:
@@ -47,6 +51,8 @@ def main() -> None:
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--lengths", default="2048,4096,8192")
     parser.add_argument("--limit", type=int, default=25, help="samples per task and length")
+    parser.add_argument("--offset", type=int, default=0,
+                        help="score samples OFFSET .. OFFSET+limit-1 (more samples beside a finished run's)")
     parser.add_argument("--engine", default="transformers", choices=["transformers", "llamacpp"])
     parser.add_argument("--cache-types", default="f16", help="--engine llamacpp: llama.cpp cache types")
     parser.add_argument("--skip-original", action="store_true")
@@ -63,6 +69,9 @@ def main() -> None:
         raise SystemExit(f"--tasks: {', '.join(unknown)} need downloads or are not needle tasks; use "
                          f"{', '.join(TASKS)}")
     lengths = [int(n) for n in args.lengths.split(",") if n]
+    if args.offset < 0 or args.limit < 1:
+        raise SystemExit(f"--limit {args.limit} --offset {args.offset}: give a limit of 1 or more and an offset of 0 "
+                         "or more")
     caches = [c for c in args.cache_types.split(",") if c] if args.engine == "llamacpp" else ["exact"]
     rows = _read(results)
     check_same_scoring(rows, results, {"limit": args.limit, "source_model": args.model})
@@ -90,16 +99,16 @@ def main() -> None:
         for label, path in models:
             for cache in caches:
                 todo = [(t, n) for t in tasks for n in lengths
-                        if (label, args.engine, cache, t, n) not in done]
+                        if (label, args.engine, cache, t, n, args.offset) not in done]
                 if not todo:
                     continue
                 lm, close = _model(args, label, path, cache, directory, gguf, tokenizer, max(lengths), tmp)
                 try:
                     for task, length in todo:
                         start = time.time()
-                        run = _run(lm, task, length, data, args.limit, tokenizer_dir)
+                        run = _run(lm, task, length, data, args.limit, args.offset, tokenizer_dir)
                         row = {"model": label, "engine": args.engine, "cache": cache, "task": task, "length": length,
-                               "limit": args.limit, "source_model": args.model, **run,
+                               "limit": args.limit, "offset": args.offset, "source_model": args.model, **run,
                                "seconds": round(time.time() - start, 1)}
                         _append(results, row)
                         done.add(_key(row))
@@ -132,7 +141,7 @@ def _model(args, label, path, cache, directory, gguf, tokenizer, length: int, tm
     return lm, lm.close
 
 
-def _run(lm, task: str, length: int, data, limit: int, tokenizer_dir: Path) -> dict:
+def _run(lm, task: str, length: int, data, limit: int, offset: int, tokenizer_dir: Path) -> dict:
     from transmla_tool.evaluate.lmeval import run_lm_eval
 
     tokenizer = None
@@ -141,11 +150,27 @@ def _run(lm, task: str, length: int, data, limit: int, tokenizer_dir: Path) -> d
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     metadata = {"max_seq_lengths": [length], "tokenizer": str(tokenizer_dir)}
-    run = run_lm_eval(lm, [task], data, limit=limit, tokenizer=tokenizer, batch_size=1, metadata=metadata)[task]
+    # the first rows through --limit, as every earlier row was scored; later ones by index
+    chosen = {"indices": list(range(offset, offset + limit))} if offset else {"limit": limit}
+    run = run_lm_eval(lm, [task], data, tokenizer=tokenizer, batch_size=1, metadata=metadata, **chosen)[task]
     matches = run["samples"].get(str(length))
     if not matches:
         raise UserError(f"RULER {task} at {length} tokens returned no per-sample matches; lm-eval changed its output")
+    if run["doc_ids"] != list(range(offset, offset + len(matches))):
+        raise UserError(f"RULER {task} at {length} tokens: lm-eval scored rows {run['doc_ids'][:3]}..., not "
+                        f"{offset}..{offset + limit - 1}; the merged table would pair other samples")
     return {"accuracy": matches.count("1") / len(matches), "rows": len(matches), "samples": matches}
+
+
+def merged(rows: list[dict]) -> dict[tuple, dict[int, str]]:
+    """{(model, engine, cache, task, length): {sample index: '0' or '1'}} over every offset's rows (a sample scored
+    twice keeps its first match: the same greedy answer to the same generated row)."""
+    out: dict[tuple, dict[int, str]] = {}
+    for r in sorted(rows, key=lambda r: r.get("offset", 0)):
+        matches = out.setdefault(_key(r)[:5], {})
+        for i, m in enumerate(r["samples"]):
+            matches.setdefault(r.get("offset", 0) + i, m)
+    return out
 
 
 def write_table(out: Path) -> None:
@@ -154,34 +179,44 @@ def write_table(out: Path) -> None:
         raise SystemExit(f"{out / 'ruler.jsonl'} holds no rows yet")
     lengths = sorted({r["length"] for r in rows})
     tasks = list(dict.fromkeys(r["task"] for r in rows))
-    cell = {(r["model"], r["engine"], r["cache"], r["task"], r["length"]): r for r in rows}
+    cell = merged(rows)
+    counts = [len(m) for m in cell.values()]
+    usual = max(set(counts), key=counts.count)
     title = MODELS[rows[0]["source_model"]].title
-    lines = [f"# RULER needle retrieval ({title}, {rows[0]['limit']} samples per task and length)", "",
+    lines = [f"# RULER needle retrieval ({title}, {usual} samples per task and length unless a cell says)", "",
              "Accuracy (share of samples whose needle value the model generated); beside a converted model, its "
              "difference from the original under the same engine and cache type (f16 for llama.cpp, exact in "
-             "transformers), paired per sample, called a loss only beyond 1.96 stderrs.", "",
+             "transformers), paired over the samples both hold, called a loss only beyond 1.96 stderrs.", "",
              "| model | engine | cache | task | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
              "|---|---|---|---|" + "---|" * len(lengths)]
     for model, engine, cache in dict.fromkeys((r["model"], r["engine"], r["cache"]) for r in rows):
         for task in tasks:
             cells = []
             for n in lengths:
-                r = cell.get((model, engine, cache, task, n))
-                if r is None:
+                got = cell.get((model, engine, cache, task, n))
+                if got is None:
                     cells.append("")
                     continue
-                text = f"{r['accuracy']:.2f}"
+                text = f"{_share(got.values()):.2f}" + (f" of {len(got)}" if len(got) != usual else "")
                 ref = cell.get(("original", engine, cache, task, n)) or cell.get(("original", engine, "f16", task, n))
                 if ref is not None and model != "original":
-                    d = delta_entry(ref["accuracy"], None, r["accuracy"], None, ref["samples"], r["samples"], True)
+                    both = sorted(set(got) & set(ref))
+                    a, b = "".join(ref[i] for i in both), "".join(got[i] for i in both)
+                    d = delta_entry(_share(a), None, _share(b), None, a, b, True)
                     se = d["delta_stderr"]
-                    text += f" ({d['delta']:+.2f}" + (f" ± {se:.2f}" if se is not None else "") + f", {d['verdict']})"
+                    text += (f" ({d['delta']:+.2f}" + (f" ± {se:.2f}" if se is not None else "") + f", {d['verdict']}"
+                             + (f", on {len(both)}" if len(both) != len(got) else "") + ")")
                 cells.append(text)
             lines.append(f"| {model} | {engine} | {cache} | {task} | " + " | ".join(cells) + " |")
     seconds = sum(r.get("seconds", 0) for r in rows)
     lines += ["", f"{len(rows)} rows, {seconds / 3600:.1f} h of scoring in all (this machine).", ""]
     (out / "ruler.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _share(matches) -> float:
+    matches = list(matches)
+    return matches.count("1") / len(matches) if matches else float("nan")
 
 
 if __name__ == "__main__":

@@ -1168,3 +1168,30 @@ def test_copying_reads_a_checkpoint_through_the_cache_type_it_names(make_model, 
     ids = copying.repeated_spans(exact.get_output_embeddings().weight.shape[0], 16, 2, 0)
     assert copying.copy_scores(quantized, ids, 16, batch_size=2)["nll"] != copying.copy_scores(exact, ids, 16,
                                                                                                batch_size=2)["nll"]
+
+
+def test_ruler_table_merges_offsets_by_sample_index_and_pairs_what_both_hold(tmp_path):
+    """eval/ruler.py --offset: a model's rows at offsets 0 and 10 form one 20-sample cell; a difference from the
+    original is paired over the samples both hold, and a cell with another count says so."""
+    ruler = _eval_module("ruler")
+
+    def row(model, offset, samples):
+        return {"model": model, "engine": "llamacpp", "cache": "f16", "task": "niah_single_1", "length": 8192,
+                "limit": 10, "offset": offset, "source_model": "smollm2-135m", "samples": samples,
+                "accuracy": samples.count("1") / len(samples), "rows": len(samples), "seconds": 1.0}
+
+    rows = [row("original", 0, "1" * 10), row("mla", 10, "0000011111"), row("original", 10, "1111111111"),
+            row("short", 0, "1111100000")]
+    first = {k: v for k, v in row("mla", 0, "1111111100").items() if k != "offset"}  # a row from before --offset
+    rows.append(first)
+    (tmp_path / "ruler.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cells = ruler.merged(rows)
+    assert "".join(cells[("mla", "llamacpp", "f16", "niah_single_1", 8192)][i] for i in range(20)) == \
+        "1111111100" + "0000011111"
+    ruler.write_table(tmp_path)
+    table = (tmp_path / "ruler.md").read_text()
+    assert "20 samples per task and length unless a cell says" in table
+    mla = next(line for line in table.splitlines() if line.startswith("| mla |"))
+    assert "| 0.65 (-0.35 ± 0.11, loss) |" in mla  # 13 of 20, paired over all 20
+    short = next(line for line in table.splitlines() if line.startswith("| short |"))
+    assert "| 0.50 of 10 (-0.50 ± 0.17, loss) |" in short  # paired over the first ten only

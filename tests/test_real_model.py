@@ -156,3 +156,11 @@ def test_ruler_needles_offline_for_original_and_converted(smollm2_converted, tmp
     assert "| mla | transformers | exact | niah_single_1 |" in table and "1024 tokens" in table
     again = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and len((tmp_path / "ruler.jsonl").read_text().splitlines()) == 2
+    # --offset 1 scores rows 1 and 2 by index (lm-eval's samples=, checked against the doc ids it reports): row 1
+    # is the same generated haystack the --limit run scored second, so its match is the same
+    later = subprocess.run(args + ["--offset", "1"], capture_output=True, text=True, timeout=600)
+    assert later.returncode == 0, later.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "ruler.jsonl").read_text().splitlines()]
+    assert [(r["model"], r["offset"], r["rows"]) for r in rows[2:]] == [("original", 1, 2), ("mla", 1, 2)]
+    assert [r["samples"][0] for r in rows[2:]] == [r["samples"][1] for r in rows[:2]]
+    assert "3 samples per task and length" in (tmp_path / "ruler.md").read_text()

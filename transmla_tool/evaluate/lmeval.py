@@ -8,6 +8,7 @@ difference, and is called a loss or a win only where it exceeds 1.96 of those (9
 
 from __future__ import annotations
 
+import inspect
 import math
 
 from ..errors import UserError
@@ -16,12 +17,15 @@ Z95 = 1.96
 
 
 def run_lm_eval(lm, tasks: list[str], task_data, *, limit: int | float | None = None, num_fewshot: int | None = None,
-                seed: int = 0, tokenizer=None, batch_size: int = 4, metadata: dict | None = None) -> dict:
-    """{task: {"metrics", "stderr", "rows", "num_fewshot", "higher_is_better", "samples", "data"}}.
+                seed: int = 0, tokenizer=None, batch_size: int = 4, metadata: dict | None = None,
+                indices: list[int] | None = None) -> dict:
+    """{task: {"metrics", "stderr", "rows", "num_fewshot", "higher_is_better", "samples", "doc_ids", "data"}}.
 
     lm: an lm-eval LM, or a transformers model (wrapped in lm-eval's HFLM with `tokenizer`). task_data: the
     evaluate/tasks.py resolution (include paths and each task's provenance). samples: per metric, each row's 0/1
-    score in row order (any metric whose rows all score 0 or 1: accuracies, RULER's per-length matches)."""
+    score in row order (any metric whose rows all score 0 or 1: accuracies, RULER's per-length matches); doc_ids:
+    the rows' indices in that order. `indices` (instead of `limit`): score those rows of every task, e.g. the next
+    ten after a first run's ten; tasks must then be leaf tasks (lm-eval indexes rows per leaf)."""
     try:
         import lm_eval
         from lm_eval.api.model import LM
@@ -35,11 +39,19 @@ def run_lm_eval(lm, tasks: list[str], task_data, *, limit: int | float | None = 
         lm = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, device=str(next(lm.parameters()).device))
     # metadata: what synthetic tasks are built from (RULER: max_seq_lengths, the tokenizer that sizes them)
     manager = TaskManager(include_path=task_data.include_paths or None, metadata=metadata)
+    chosen = {}
+    if indices is not None:
+        if limit is not None:
+            raise ValueError("run_lm_eval: give limit or indices, not both")
+        if "samples" not in inspect.signature(lm_eval.simple_evaluate).parameters:
+            raise UserError(f"lm-eval {getattr(lm_eval, '__version__', '')} cannot score chosen rows; "
+                            "pip install -U 'lm-eval[ruler]'")
+        chosen = {"samples": {task: list(indices) for task in tasks}}
     try:
         results = lm_eval.simple_evaluate(
             model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
             random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-            log_samples=True, bootstrap_iters=1000,
+            log_samples=True, bootstrap_iters=1000, **chosen,
         )
     except (ValueError, FileNotFoundError, KeyError) as exc:  # a task's data: empty, missing split, bad file
         detail = " ".join(str(exc).split())[:300]
@@ -66,6 +78,8 @@ def run_lm_eval(lm, tasks: list[str], task_data, *, limit: int | float | None = 
             "num_fewshot": sorted({results["n-shot"].get(leaf) for leaf in leaves} - {None}),
             "higher_is_better": {m: results["higher_is_better"].get(leaves[0], {}).get(m) for m in metrics},
             "samples": _samples(results, leaves),
+            "doc_ids": [s["doc_id"] for leaf in leaves
+                        for s in sorted(results.get("samples", {}).get(leaf, []), key=lambda s: s["doc_id"])],
             "data": task_data.provenance.get(task, {}),
             "dataset": sorted({str(results["configs"][leaf].get("dataset_path")) for leaf in leaves}),
         }
