@@ -181,7 +181,7 @@ def write_table(out: Path) -> None:
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     cell = merged(rows)
     counts = [len(m) for m in cell.values()]
-    usual = max(set(counts), key=counts.count)
+    usual = max(set(counts), key=lambda c: (counts.count(c), c))  # the most common count, ties to the larger
     title = MODELS[rows[0]["source_model"]].title
     lines = [f"# RULER needle retrieval ({title}, {usual} samples per task and length unless a cell says)", "",
              "Accuracy (share of samples whose needle value the model generated); beside a converted model, its "
@@ -199,8 +199,8 @@ def write_table(out: Path) -> None:
                     continue
                 text = f"{_share(got.values()):.2f}" + (f" of {len(got)}" if len(got) != usual else "")
                 ref = cell.get(("original", engine, cache, task, n)) or cell.get(("original", engine, "f16", task, n))
-                if ref is not None and model != "original":
-                    both = sorted(set(got) & set(ref))
+                both = sorted(set(got) & set(ref or {}))
+                if both and model != "original":
                     a, b = "".join(ref[i] for i in both), "".join(got[i] for i in both)
                     d = delta_entry(_share(a), None, _share(b), None, a, b, True)
                     se = d["delta_stderr"]

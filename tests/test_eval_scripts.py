@@ -1181,7 +1181,7 @@ def test_ruler_table_merges_offsets_by_sample_index_and_pairs_what_both_hold(tmp
                 "accuracy": samples.count("1") / len(samples), "rows": len(samples), "seconds": 1.0}
 
     rows = [row("original", 0, "1" * 10), row("mla", 10, "0000011111"), row("original", 10, "1111111111"),
-            row("short", 0, "1111100000")]
+            row("short", 0, "1111100000"), row("apart", 20, "1100000000")]
     first = {k: v for k, v in row("mla", 0, "1111111100").items() if k != "offset"}  # a row from before --offset
     rows.append(first)
     (tmp_path / "ruler.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -1195,3 +1195,5 @@ def test_ruler_table_merges_offsets_by_sample_index_and_pairs_what_both_hold(tmp
     assert "| 0.65 (-0.35 ± 0.11, loss) |" in mla  # 13 of 20, paired over all 20
     short = next(line for line in table.splitlines() if line.startswith("| short |"))
     assert "| 0.50 of 10 (-0.50 ± 0.17, loss) |" in short  # paired over the first ten only
+    apart = next(line for line in table.splitlines() if line.startswith("| apart |"))
+    assert "| 0.20 of 10 |" in apart  # samples the original was not scored on: no difference to show
