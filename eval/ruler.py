@@ -159,7 +159,7 @@ def _run(lm, task: str, length: int, data, limit: int, offset: int, tokenizer_di
     if run["doc_ids"] != list(range(offset, offset + len(matches))):
         raise UserError(f"RULER {task} at {length} tokens: lm-eval scored rows {run['doc_ids'][:3]}..., not "
                         f"{offset}..{offset + limit - 1}; the merged table would pair other samples")
-    return {"accuracy": matches.count("1") / len(matches), "rows": len(matches), "samples": matches}
+    return {"accuracy": _share(matches), "rows": len(matches), "samples": matches}
 
 
 def merged(rows: list[dict]) -> dict[tuple, dict[int, str]]:

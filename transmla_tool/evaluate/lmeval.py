@@ -78,8 +78,7 @@ def run_lm_eval(lm, tasks: list[str], task_data, *, limit: int | float | None = 
             "num_fewshot": sorted({results["n-shot"].get(leaf) for leaf in leaves} - {None}),
             "higher_is_better": {m: results["higher_is_better"].get(leaves[0], {}).get(m) for m in metrics},
             "samples": _samples(results, leaves),
-            "doc_ids": [s["doc_id"] for leaf in leaves
-                        for s in sorted(results.get("samples", {}).get(leaf, []), key=lambda s: s["doc_id"])],
+            "doc_ids": [sample["doc_id"] for sample in _logged(results, leaves)],
             "data": task_data.provenance.get(task, {}),
             "dataset": sorted({str(results["configs"][leaf].get("dataset_path")) for leaf in leaves}),
         }
@@ -94,19 +93,24 @@ def _leaves(results: dict, task: str) -> list[str]:
     return [leaf for child in children for leaf in _leaves(results, child)]
 
 
+def _logged(results: dict, leaves: list[str]):
+    """The logged rows of the leaf tasks in (leaf, doc_id) order: the order of both `samples` and `doc_ids`."""
+    for leaf in leaves:
+        yield from sorted(results.get("samples", {}).get(leaf, []), key=lambda s: s["doc_id"])
+
+
 def _samples(results: dict, leaves: list[str]) -> dict[str, str]:
     """Per-row 0/1 scores, as strings of '0'/'1' in (leaf, doc_id) order, for every metric whose rows all score 0 or
     1 (a metric with other values, or -1 for 'not this row' as RULER marks other lengths, is left out)."""
     out: dict[str, list[str]] = {}
     rejected: set[str] = set()
-    for leaf in leaves:
-        for sample in sorted(results.get("samples", {}).get(leaf, []), key=lambda s: s["doc_id"]):
-            for metric in set(sample) - {"doc_id", "doc", "target", "arguments", "resps", "filtered_resps"}:
-                value = sample.get(metric)
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value not in (0, 1):
-                    rejected.add(metric)
-                    continue
-                out.setdefault(metric, []).append(str(int(value)))
+    for sample in _logged(results, leaves):
+        for metric in set(sample) - {"doc_id", "doc", "target", "arguments", "resps", "filtered_resps"}:
+            value = sample.get(metric)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value not in (0, 1):
+                rejected.add(metric)
+                continue
+            out.setdefault(metric, []).append(str(int(value)))
     return {metric: "".join(values) for metric, values in out.items() if metric not in rejected}
 
 
