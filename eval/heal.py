@@ -171,12 +171,16 @@ def main() -> None:
     calib, heldout = run_splits(out / "data", left_out)
     data = args.data if args.data != "news" and left_out is None else calib
     converted = out / f"converted-{budget}"
-    if args.frontier_only:
-        tokens = json.loads((healed / "healing.json").read_text())["tokens"]
+
+    def place(tokens: int) -> None:
+        """The training-free and healed checkpoints (and their balanced copies) on the llama.cpp frontier."""
         checkpoints = frontier_models(converted, healed, tokens, placed)
         checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device), args.rebalanced_only)
         place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks,
                           args.frontier_ctx, original_types)
+
+    if args.frontier_only:
+        place(json.loads((healed / "healing.json").read_text())["tokens"])
         return
     record = out / "conversion.json"
     # the resolved method too: `default` changes between releases, and a rerun must not reuse an older default's
@@ -233,10 +237,7 @@ def main() -> None:
                   "the original's is exact)")
     write_report(out, rows, original, summary, setup, f"{args.latent_dim} + {args.rope_dim}", args.model)
     if cache_types:
-        checkpoints = frontier_models(converted, healed, summary["tokens"], placed)
-        checkpoints = with_rebalanced(checkpoints, args.rebalance, calib, str(device), args.rebalanced_only)
-        place_on_frontier(out, model_dir, gguf, checkpoints, heldout, cache_types, args.frontier_chunks,
-                          args.frontier_ctx, original_types)
+        place(summary["tokens"])
 
 
 def original_perplexity(reference: Path, model_dir: str, gguf: str | None, heldout: Path, seq_len: int, windows: int,
