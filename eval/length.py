@@ -47,6 +47,7 @@ from transmla_tool.errors import UserError  # noqa: E402
 from transmla_tool.evaluate.models import load_model, load_tokenizer  # noqa: E402
 from transmla_tool.evaluate.perplexity import perplexity  # noqa: E402
 from transmla_tool.methods import recorded_method, resolve_method  # noqa: E402
+from transmla_tool.provenance import labelled_checkpoint  # noqa: E402
 from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
 BOUNDS = (512, 2048)  # distance ranges the loss is split into (with the window's end)
@@ -89,23 +90,11 @@ def convert_in_child(model_dir: str, gguf: str, ckpt: Path, config: dict, spec: 
             "stages": summary["stages"]}
 
 
-def checkpoint_config(spec: str, source: Path) -> tuple[dict, Path, dict]:
-    """'NAME=DIR' of a finished conversion of `source` -> (config, checkpoint, cost) from its conversion record; a
-    directory that is not one, or a conversion of another model, stops before any work."""
-    name, _, path = spec.partition("=")
-    ckpt = Path(path)
-    record = ckpt / "conversion.json"
-    if not name or not path:
-        raise SystemExit(f"--checkpoint: {spec!r} is not NAME=DIR (e.g. rope32=runs/qsplit/ckpt/mix-docs-rope32-224)")
-    if not record.is_file():
-        raise SystemExit(f"--checkpoint {name}: {ckpt} has no conversion.json; give a directory written by "
-                         "`transmla-tool convert` (or eval/frontier.py --keep-checkpoints)")
-    summary = json.loads(record.read_text())
+def checkpoint_config(spec: str, model_dir: str, gguf: str | None) -> tuple[dict, Path, dict]:
+    """'NAME=DIR' of a finished conversion of --model -> (config, checkpoint, cost) from its conversion record; a
+    directory that is not one, or a conversion of other weights, stops before any work."""
+    name, ckpt, summary = labelled_checkpoint(spec, "--checkpoint", model_dir, gguf)
     settings = summary["settings"]
-    made_from = Path(summary["source"]).name
-    if made_from != source.name:
-        raise SystemExit(f"--checkpoint {name}: {ckpt} was converted from {made_from}, not {source.name}; "
-                         "give the matching --model")
     config = {"name": name, "budget": settings["latent_dim"] + settings["rope_dim"], "rope_dim": settings["rope_dim"],
               "calib_seq_len": settings["calib_seq_len"], "preset": settings["method_name"], "overrides": [],
               "method": recorded_method(settings["method"]), "calib_samples": settings["calib_samples"],
@@ -151,7 +140,7 @@ def main() -> None:
     if bad := [n for n in lengths if n <= 0 or args.eval_tokens < n]:
         raise SystemExit(f"--lengths {bad[0]}: each length must be positive and at most --eval-tokens")
     model_dir, gguf = model_gguf(args.model)
-    given = [checkpoint_config(c, Path(model_dir) / gguf) for c in args.checkpoint]
+    given = [checkpoint_config(c, model_dir, gguf) for c in args.checkpoint]
     if clash := {c["name"] for c in configs} & {c["name"] for c, _, _ in given}:
         raise SystemExit(f"--checkpoint {sorted(clash)[0]}: a --configs entry has the same name")
     splits = reuse_splits(Path(args.data_dir)) if args.data_dir else domain_splits(out / "data")

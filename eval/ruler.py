@@ -33,6 +33,7 @@ from quality import _append, _read, check_same_scoring  # noqa: E402
 
 from transmla_tool.errors import UserError  # noqa: E402
 from transmla_tool.evaluate.lmeval import delta_entry  # noqa: E402
+from transmla_tool.provenance import labelled_checkpoint  # noqa: E402
 from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
 TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3")
@@ -47,7 +48,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/ruler")
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
     parser.add_argument("--checkpoint", action="append", default=[], metavar="LABEL=DIR",
-                        help="a converted or healed checkpoint to score beside the original (repeatable)")
+                        help="a checkpoint converted (or healed) from --model, scored beside the original (repeatable); "
+                             "llama.cpp also takes LABEL=FILE.gguf, whose source is not checked")
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--lengths", default="2048,4096,8192")
     parser.add_argument("--limit", type=int, default=25, help="samples per task and length")
@@ -77,6 +79,16 @@ def main() -> None:
     check_same_scoring(rows, results, {"limit": args.limit, "source_model": args.model})
     done = {_key(r) for r in rows}
     directory, gguf = model_gguf(args.model)
+    models = [] if args.skip_original else [("original", None)]
+    for spec in args.checkpoint:  # checked before any work: a checkpoint of other weights is refused here
+        label, _, path = spec.partition("=")
+        if path.endswith(".gguf") and Path(path).is_file():  # a GGUF holds no conversion record to check
+            if args.engine != "llamacpp":
+                raise SystemExit(f"--checkpoint {spec!r}: a GGUF runs in llama.cpp only (--engine llamacpp)")
+        else:
+            label, checkpoint, _ = labelled_checkpoint(spec, "--checkpoint", directory, gguf)
+            path = str(checkpoint)
+        models.append((label, path))
     from transmla_tool.evaluate.models import load_tokenizer
     from transmla_tool.evaluate.tasks import resolve
 
@@ -84,16 +96,6 @@ def main() -> None:
     tokenizer_dir = out / "tokenizer"
     if not (tokenizer_dir / "tokenizer_config.json").exists():
         tokenizer.save_pretrained(tokenizer_dir)  # RULER loads the tokenizer that sizes its haystacks by path
-    models = [] if args.skip_original else [("original", None)]
-    for spec in args.checkpoint:
-        label, _, path = spec.partition("=")
-        gguf_given = path.endswith(".gguf") and Path(path).is_file()
-        if gguf_given and args.engine != "llamacpp":
-            raise SystemExit(f"--checkpoint {spec!r}: a GGUF runs in llama.cpp only (--engine llamacpp)")
-        if not gguf_given and not (Path(path) / "config.json").exists():
-            raise SystemExit(f"--checkpoint {spec!r}: give LABEL=DIR (a checkpoint transmla-tool wrote) or, for "
-                             "llama.cpp, LABEL=FILE.gguf (export-gguf's, or eval/frontier.py --keep-gguf's)")
-        models.append((label, path))
     with tempfile.TemporaryDirectory(prefix="ruler-") as tmp:
         data = resolve(tasks, Path(tmp) / "tasks", "hub")  # generated locally: nothing to resolve
         for label, path in models:

@@ -773,26 +773,42 @@ def test_length_ablation_configs_and_table(tmp_path):
     assert "| a | 192 | 32 | 512 | 90.0 | 2000.0 | 1.500 |\n" in table and "growth" not in table
 
 
-def test_length_scores_a_given_checkpoint_from_its_record(tmp_path):
+def test_length_scores_a_given_checkpoint_from_its_record(teacher_and_student, make_model, tmp_path):
     """eval/length.py --checkpoint NAME=DIR: budget, rotary size, calibration length and method come from the
-    checkpoint's conversion record; a directory without one, or a conversion of another model, stops at once."""
+    checkpoint's conversion record; a directory without one, or a conversion of other weights, stops at once."""
+    from transmla_tool.errors import UserError
+
     length = _eval_module("length")
-    source = tmp_path / "models" / "qwen.gguf"
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    with pytest.raises(SystemExit, match="has no conversion.json"):
-        length.checkpoint_config(f"r32={ckpt}", source)
-    settings = {"latent_dim": 192, "rope_dim": 32, "calib_seq_len": 512, "calib_samples": 32, "method_name": "default",
-                "method": {"refine_steps": 100}}
-    record = {"source": "/cache/qwen.gguf", "settings": settings, "wall_time_s": 1128.8, "peak_rss_mb": 6042.2}
-    (ckpt / "conversion.json").write_text(json.dumps(record))
-    config, path, cost = length.checkpoint_config(f"r32={ckpt}", source)
-    assert (config["name"], config["budget"], config["rope_dim"], config["calib_seq_len"]) == ("r32", 224, 32, 512)
-    assert config["method"]["refine_steps"] == 100 and path == ckpt and cost["convert_seconds"] == 1128.8
-    with pytest.raises(SystemExit, match="converted from qwen.gguf, not smollm2.gguf"):
-        length.checkpoint_config(f"r32={ckpt}", tmp_path / "smollm2.gguf")
-    with pytest.raises(SystemExit, match="is not NAME=DIR"):
-        length.checkpoint_config(str(ckpt), source)
+    teacher, student = teacher_and_student
+    record = json.loads((student / "conversion.json").read_text())
+    empty = tmp_path / "ckpt"
+    empty.mkdir()
+    with pytest.raises(UserError, match="without a conversion.json written by transmla-tool"):
+        length.checkpoint_config(f"r8={empty}", str(teacher), None)
+    config, path, cost = length.checkpoint_config(f"r8={student}", str(teacher), None)
+    assert (config["name"], config["budget"], config["rope_dim"], config["calib_seq_len"]) == ("r8", 16, 8, 64)
+    assert (config["method"]["refine_steps"], config["calib_samples"], path) == (0, 8, student)  # closed form
+    assert cost["convert_seconds"] == record["wall_time_s"] > 0
+    with pytest.raises(UserError, match="the weights differ"):  # same architecture, other weights
+        length.checkpoint_config(f"r8={student}", str(make_model("llama", kv_heads=2)), None)
+    with pytest.raises(UserError, match="is not LABEL=DIR"):
+        length.checkpoint_config(str(student), str(teacher), None)
+
+
+def test_ruler_refuses_a_checkpoint_of_other_weights_before_any_work(teacher_and_student, tmp_path, monkeypatch):
+    """eval/ruler.py --checkpoint: a conversion of another model than --model is refused in one line before the
+    tokenizer loads or a haystack is built (its needles would be scored against the wrong original)."""
+    from transmla_tool.errors import UserError
+
+    _, student = teacher_and_student
+    ruler = _eval_module("ruler")
+    loaded = []
+    monkeypatch.setattr("transmla_tool.evaluate.models.load_tokenizer", lambda *a: loaded.append(a))
+    monkeypatch.setattr(sys, "argv", ["ruler.py", "--output-dir", str(tmp_path), "--tasks", "niah_single_1",
+                                      "--checkpoint", f"tiny={student}"])
+    with pytest.raises(UserError, match="the weights differ"):
+        ruler.main()
+    assert loaded == [] and not (tmp_path / "ruler.jsonl").exists()
 
 
 def test_heal_memory_rows_per_arm_and_length(teacher_and_student, text_file, tmp_path):

@@ -8,6 +8,7 @@ prints a plausible report of the wrong thing; these checks refuse it in one line
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from .errors import UserError
@@ -36,6 +37,20 @@ def conversion_record(model_dir: str, flag: str) -> dict:
         raise UserError(f"{flag} {model_dir} is {what} without a conversion.json written by transmla-tool; pass a "
                         "directory that transmla-tool convert (or heal) wrote")
     return record
+
+
+def labelled_checkpoint(spec: str, flag: str, model: str, gguf_file: str | None) -> tuple[str, Path, dict]:
+    """'LABEL=DIR' naming a checkpoint this tool wrote from `model` (convert, heal or rebalance) -> (label, directory,
+    its conversion.json). Not LABEL=DIR, not such a directory, or converted from other weights: a one-line refusal,
+    before any work; a record too old to name its source is said on stderr and accepted."""
+    label, sep, path = spec.partition("=")
+    if not sep or not label or not path:
+        raise UserError(f"{flag} {spec!r} is not LABEL=DIR (e.g. {flag} \"160+64=runs/ckpt/mix-docs-default-224\")")
+    record = conversion_record(path, f"{flag} {label}:")
+    warning = check_source(record, model, gguf_file, "--model", path)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    return label, Path(path), record
 
 
 def _model_type(path: Path) -> str | None:
