@@ -92,8 +92,8 @@ def main() -> None:
     scoring = {"limit": args.limit, "n_ctx": args.n_ctx, "engine": version, "source_model": source_model}
     check_same_scoring(rows, results, scoring)
     model_dir, gguf = model_gguf(source_model)
+    points = _points(out, frontier_rows, args, (model_dir, gguf))
     tokenizer = load_tokenizer(model_dir, gguf)
-    points = _points(out, frontier_rows, args)
     done = {_key(r) for r in rows}
     with tempfile.TemporaryDirectory(prefix="benchmarks-") as tmp:
         data = resolve(tasks, Path(tmp) / "tasks", "auto")
@@ -126,8 +126,9 @@ def main() -> None:
     write_table(out)
 
 
-def _points(out: Path, frontier_rows: list[dict], args) -> list[dict]:
-    """Each model to score: its key (as frontier.py's rows), GGUF, cache types and bytes per token per layer."""
+def _points(out: Path, frontier_rows: list[dict], args, source: tuple[str, str | None]) -> list[dict]:
+    """Each model to score: its key (as frontier.py's rows), GGUF, cache types and bytes per token per layer;
+    `source` (the original's directory and GGUF file) is what every --checkpoint must have been converted from."""
     from transmla_tool.engines.llamacpp import split_types
 
     def bytes_of(model: str, calib: str, config: str, budget: int) -> dict:
@@ -154,7 +155,7 @@ def _points(out: Path, frontier_rows: list[dict], args) -> list[dict]:
                        "gguf": gguf, "run_flags": {}, "caches": wanted.get(name, mla_caches),
                        "bytes": bytes_of("converted", calib, config, budget)})
     for spec in args.checkpoint:
-        label, directory, caches = parse_checkpoint(spec, several_caches=True)
+        label, directory, caches = parse_checkpoint(spec, several_caches=True, source=source)
         caches = caches or mla_caches
         config = json.loads((Path(directory) / "config.json").read_text())
         values = config["kv_lora_rank"] + config["qk_rope_head_dim"]

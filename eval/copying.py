@@ -95,14 +95,14 @@ def main() -> None:
     spans = [int(s) for s in args.spans.split(",") if s]
     if bad := [s for s in spans if s < 2]:
         raise SystemExit(f"--spans {','.join(map(str, bad))}: a span needs at least 2 tokens")
+    directory, gguf = model_gguf(args.model)
     models = [("original", None, None)]
-    for spec in args.checkpoint:
-        label, path, caches = parse_checkpoint(spec, check_type=check_cache_type)  # simulated in torch
+    for spec in args.checkpoint:  # simulated in torch; converted from --model
+        label, path, caches = parse_checkpoint(spec, check_type=check_cache_type, source=(directory, gguf))
         models.append((label, path, caches[0] if caches else None))
     rows = _read(results)
     check_same_scoring(rows, results, {"sequences": args.sequences, "seed": args.seed, "source_model": args.model})
     done = {(r["model"], r["span"]) for r in rows}
-    directory, gguf = model_gguf(args.model)
     device = torch.device(args.device)
     for label, path, cache in models:
         todo = [s for s in spans if (label, s) not in done]

@@ -180,14 +180,16 @@ def check_same_scoring(rows: list[dict], results: Path, scoring: dict, unrecorde
                              "scores over other windows are not comparable, use a new --output-dir (or the same flags)")
 
 
-def parse_checkpoint(spec: str, several_caches: bool = False, check_type=None) -> tuple[str, str, list[str]]:
+def parse_checkpoint(spec: str, several_caches: bool = False, check_type=None,
+                     source: tuple[str, str | None] | None = None) -> tuple[str, str, list[str]]:
     """`--checkpoint LABEL=DIR[:CACHE]` (`several_caches`: LABEL=DIR[:CACHE,CACHE...]) -> (label, dir, cache types),
     DIR a checkpoint transmla-tool wrote and every cache type one its row [latent | rotary key] can be stored in; one
     line naming the fix when wrong. A DIR whose own name holds a colon is taken whole. `check_type` (default: any
     type kv_quant knows) raises on a type the caller cannot use, e.g. heal.settings.check_cache_type where the cache
-    is simulated in torch."""
+    is simulated in torch. `source` (the original's directory and GGUF file): DIR must have been converted from it."""
     from transmla_tool.errors import UserError
     from transmla_tool.heal.settings import check_cache_row
+    from transmla_tool.provenance import converted_from
     from transmla_tool.ops.kv_quant import cache_type
 
     check_type = check_type or cache_type
@@ -204,6 +206,8 @@ def parse_checkpoint(spec: str, several_caches: bool = False, check_type=None) -
     if len(caches) > 1 and not several_caches:
         raise SystemExit(f"--checkpoint {spec!r}: one cache type per checkpoint here; repeat --checkpoint with "
                          "another label for another cache type")
+    if source:
+        converted_from(path, f"--checkpoint {label}:", *source)
     config = json.loads((Path(path) / "config.json").read_text())
     for name in caches:
         try:

@@ -1137,13 +1137,17 @@ def test_copying_scores_exactly_the_repeat_and_pairs_the_table(teacher_and_stude
 def test_checkpoint_specs_parse_alike_in_every_script(make_model, convert_tiny):
     """eval/quality.parse_checkpoint serves copying.py (one simulated cache) and benchmarks.py (llama.cpp caches, a
     list): a list where one is allowed, an unknown cache type, a missing directory and a colon in a directory's own
-    name each get their answer."""
+    name each get their answer; given the scripts' original, a conversion of other weights is refused."""
+    from transmla_tool.errors import UserError
     from transmla_tool.methods import PRESETS
 
     quality = _eval_module("quality")
-    wide, _, _ = convert_tiny(make_model("llama", kv_heads=2, head_dim=32), 32, rope_dim=32,
-                              method=PRESETS["closed-form"])
+    source = make_model("llama", kv_heads=2, head_dim=32)
+    wide, _, _ = convert_tiny(source, 32, rope_dim=32, method=PRESETS["closed-form"])
     assert quality.parse_checkpoint(f"b={wide}:f16,iq4_nl", several_caches=True) == ("b", str(wide), ["f16", "iq4_nl"])
+    assert quality.parse_checkpoint(f"b={wide}:f16", source=(str(source), None)) == ("b", str(wide), ["f16"])
+    with pytest.raises(UserError, match="the weights differ"):  # benchmarks.py and copying.py pass --model's
+        quality.parse_checkpoint(f"b={wide}:f16", source=(str(make_model("llama", seed=1, kv_heads=2, head_dim=32)), None))
     with pytest.raises(SystemExit, match="one cache type per checkpoint here"):
         quality.parse_checkpoint(f"b={wide}:f16,iq4_nl")
     with pytest.raises(SystemExit, match="unknown cache type 'q4_k'"):

@@ -39,18 +39,24 @@ def conversion_record(model_dir: str, flag: str) -> dict:
     return record
 
 
-def labelled_checkpoint(spec: str, flag: str, model: str, gguf_file: str | None) -> tuple[str, Path, dict]:
-    """'LABEL=DIR' naming a checkpoint this tool wrote from `model` (convert, heal or rebalance) -> (label, directory,
-    its conversion.json). Not LABEL=DIR, not such a directory, or converted from other weights: a one-line refusal,
-    before any work; a record too old to name its source is said on stderr and accepted."""
-    label, sep, path = spec.partition("=")
-    if not sep or not label or not path:
-        raise UserError(f"{flag} {spec!r} is not LABEL=DIR (e.g. {flag} \"160+64=runs/ckpt/mix-docs-default-224\")")
-    record = conversion_record(path, f"{flag} {label}:")
+def converted_from(path: str, flag: str, model: str, gguf_file: str | None) -> dict:
+    """conversion.json of a checkpoint this tool wrote from `model` (convert, heal or rebalance); not such a
+    directory, or converted from other weights: a one-line refusal. A record too old to name its source is said on
+    stderr and accepted."""
+    record = conversion_record(path, flag)
     warning = check_source(record, model, gguf_file, "--model", path)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
-    return label, Path(path), record
+    return record
+
+
+def labelled_checkpoint(spec: str, flag: str, model: str, gguf_file: str | None) -> tuple[str, Path, dict]:
+    """'LABEL=DIR' naming a checkpoint this tool wrote from `model` -> (label, directory, its conversion.json), or
+    a one-line refusal before any work."""
+    label, sep, path = spec.partition("=")
+    if not sep or not label or not path:
+        raise UserError(f"{flag} {spec!r} is not LABEL=DIR (e.g. {flag} \"160+64=runs/ckpt/mix-docs-default-224\")")
+    return label, Path(path), converted_from(path, f"{flag} {label}:", model, gguf_file)
 
 
 def _model_type(path: Path) -> str | None:
