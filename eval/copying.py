@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from quality import _append, _read, check_same_scoring, parse_checkpoint  # noqa: E402
 
+from transmla_tool.errors import UserError  # noqa: E402
 from transmla_tool.evaluate.lmeval import verdict  # noqa: E402
 from transmla_tool.evaluate.perplexity import LOGIT_CHUNK  # noqa: E402
 from transmla_tool.heal.loss import position_logits  # noqa: E402
@@ -175,4 +176,7 @@ def _paired(original: list[float], converted: list[float]) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as exc:  # a --checkpoint of other weights, a cache its row cannot hold
+        raise SystemExit(f"copying.py: {exc}") from None

@@ -189,8 +189,8 @@ def parse_checkpoint(spec: str, several_caches: bool = False, check_type=None,
     is simulated in torch. `source` (the original's directory and GGUF file): DIR must have been converted from it."""
     from transmla_tool.errors import UserError
     from transmla_tool.heal.settings import check_cache_row
-    from transmla_tool.provenance import converted_from
     from transmla_tool.ops.kv_quant import cache_type
+    from transmla_tool.provenance import converted_from
 
     check_type = check_type or cache_type
 
