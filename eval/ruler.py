@@ -48,8 +48,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/ruler")
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
     parser.add_argument("--checkpoint", action="append", default=[], metavar="LABEL=DIR",
-                        help="a checkpoint converted (or healed) from --model, scored beside the original (repeatable); "
-                             "llama.cpp also takes LABEL=FILE.gguf, whose source is not checked")
+                        help="a checkpoint converted (or healed) from --model, scored beside the original "
+                             "(repeatable); llama.cpp also takes LABEL=FILE.gguf, whose source is not checked")
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--lengths", default="2048,4096,8192")
     parser.add_argument("--limit", type=int, default=25, help="samples per task and length")

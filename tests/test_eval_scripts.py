@@ -1146,8 +1146,9 @@ def test_checkpoint_specs_parse_alike_in_every_script(make_model, convert_tiny):
     wide, _, _ = convert_tiny(source, 32, rope_dim=32, method=PRESETS["closed-form"])
     assert quality.parse_checkpoint(f"b={wide}:f16,iq4_nl", several_caches=True) == ("b", str(wide), ["f16", "iq4_nl"])
     assert quality.parse_checkpoint(f"b={wide}:f16", source=(str(source), None)) == ("b", str(wide), ["f16"])
+    twin = make_model("llama", seed=1, kv_heads=2, head_dim=32)  # same shape, other weights
     with pytest.raises(UserError, match="the weights differ"):  # benchmarks.py and copying.py pass --model's
-        quality.parse_checkpoint(f"b={wide}:f16", source=(str(make_model("llama", seed=1, kv_heads=2, head_dim=32)), None))
+        quality.parse_checkpoint(f"b={wide}:f16", source=(str(twin), None))
     with pytest.raises(SystemExit, match="one cache type per checkpoint here"):
         quality.parse_checkpoint(f"b={wide}:f16,iq4_nl")
     with pytest.raises(SystemExit, match="unknown cache type 'q4_k'"):
