@@ -257,6 +257,25 @@ def test_heal_refuses_a_teacher_it_was_not_converted_from(capsys, teacher_and_st
     assert not (tmp_path / "healed").exists() and not (tmp_path / "healed.ckpt").exists()
 
 
+def test_a_record_too_old_to_name_its_source_is_said_and_accepted(capsys, converted, source, text_file,
+                                                                   teacher_and_student_copy, tmp_path):
+    """A conversion.json from before source_identity: eval and heal warn, naming the option they cannot check, and
+    go on (refusing would strand every checkpoint an older version wrote)."""
+    def forget_source(directory):
+        record = json.loads((directory / "conversion.json").read_text())
+        del record["source_identity"]
+        (directory / "conversion.json").write_text(json.dumps(record))
+
+    forget_source(converted)
+    code, err = _cli(capsys, *_eval(source, converted, text_file, tmp_path / "report"))
+    assert code == 0 and f"cannot check that --original {source} is the model it was converted from" in err, err
+    teacher, student = teacher_and_student_copy
+    forget_source(student)
+    code, err = _cli(capsys, "heal", "--model", student, "--teacher", teacher, "--data", text_file, "--seq-len", 32,
+                     "--batch-size", 2, "--max-steps", 1, "--output", tmp_path / "healed", "--no-progress")
+    assert code == 0 and f"cannot check that --teacher {teacher} is the model it was converted from" in err, err
+
+
 def test_calibration_shortfall_is_said_and_recorded(capsys, convert_args, tmp_path):
     """Issue case 7: asking for 100000 windows of a text that has fewer: a warning, and the card says what was used."""
     code = main(convert_args(**{"--calib-samples": 100000}))

@@ -39,12 +39,12 @@ def conversion_record(model_dir: str, flag: str) -> dict:
     return record
 
 
-def converted_from(path: str, flag: str, model: str, gguf_file: str | None) -> dict:
-    """conversion.json of a checkpoint this tool wrote from `model` (convert, heal or rebalance); not such a
-    directory, or converted from other weights: a one-line refusal. A record too old to name its source is said on
-    stderr and accepted."""
+def converted_from(path: str, flag: str, model: str, gguf_file: str | None, source_flag: str = "--model") -> dict:
+    """conversion.json of a checkpoint this tool wrote from `model` (convert, heal or rebalance; `source_flag` names
+    the option that gave `model`); not such a directory, or converted from other weights: a one-line refusal. A
+    record too old to name its source is said on stderr and accepted."""
     record = conversion_record(path, flag)
-    warning = check_source(record, model, gguf_file, "--model", path)
+    warning = check_source(record, model, gguf_file, source_flag, path)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     return record

@@ -150,16 +150,11 @@ def eval_inputs(settings: EvalSettings) -> list[Path]:
 def check_pair(settings: EvalSettings, tokenizer) -> None:
     """The converted model reads text as the original does and was converted from it: anything else would be
     scored on other token ids, or compared with a model it was not made from, and still print a plausible report."""
-    import sys
+    from ..provenance import compare_tokenizers, converted_from
 
-    from ..provenance import check_source, compare_tokenizers, conversion_record
-
-    record = conversion_record(settings.converted, "--converted")
+    converted_from(settings.converted, "--converted", settings.original, settings.gguf_file, "--original")
     compare_tokenizers(tokenizer, load_tokenizer(settings.converted, None), f"--original {settings.original}",
                        f"--converted {settings.converted}")
-    warning = check_source(record, settings.original, settings.gguf_file, "--original", settings.converted)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
 
 
 def build_report(results: dict, settings: EvalSettings, device, dtype, seconds: float) -> dict:

@@ -137,22 +137,17 @@ def _heal_writes(name: str) -> bool:
 
 def check_teacher(settings: HealSettings) -> None:
     """The teacher is the model the student was converted from, and both read text the same way."""
-    import sys
-
     from transformers import AutoTokenizer
 
     from ..evaluate.models import load_tokenizer
-    from ..provenance import check_source, compare_tokenizers, conversion_record
+    from ..provenance import compare_tokenizers, converted_from
 
     if not settings.teacher:
         return
-    record = conversion_record(settings.model, "--model")
+    converted_from(settings.model, "--model", settings.teacher, settings.teacher_gguf_file, "--teacher")
     compare_tokenizers(load_tokenizer(settings.teacher, settings.teacher_gguf_file),
                        AutoTokenizer.from_pretrained(settings.model), f"--teacher {settings.teacher}",
                        f"--model {settings.model}")
-    warning = check_source(record, settings.teacher, settings.teacher_gguf_file, "--teacher", settings.model)
-    if warning:
-        print(f"warning: {warning}", file=sys.stderr)
 
 
 def _models(settings: HealSettings, accelerator):
