@@ -33,7 +33,7 @@ from quality import _append, _read, check_same_scoring  # noqa: E402
 
 from transmla_tool.errors import UserError  # noqa: E402
 from transmla_tool.evaluate.lmeval import delta_entry  # noqa: E402
-from transmla_tool.provenance import labelled_checkpoint  # noqa: E402
+from transmla_tool.provenance import gguf_converted_from, labelled_checkpoint  # noqa: E402
 from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
 TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3")
@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
     parser.add_argument("--checkpoint", action="append", default=[], metavar="LABEL=DIR",
                         help="a checkpoint converted (or healed) from --model, scored beside the original "
-                             "(repeatable); llama.cpp also takes LABEL=FILE.gguf, whose source is not checked")
+                             "(repeatable); llama.cpp also takes LABEL=FILE.gguf (export-gguf records the source in it)")
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--lengths", default="2048,4096,8192")
     parser.add_argument("--limit", type=int, default=25, help="samples per task and length")
@@ -82,9 +82,10 @@ def main() -> None:
     models = [] if args.skip_original else [("original", None)]
     for spec in args.checkpoint:  # checked before any work: a checkpoint of other weights is refused here
         label, _, path = spec.partition("=")
-        if path.endswith(".gguf") and Path(path).is_file():  # a GGUF holds no conversion record to check
+        if path.endswith(".gguf") and Path(path).is_file():
             if args.engine != "llamacpp":
                 raise SystemExit(f"--checkpoint {spec!r}: a GGUF runs in llama.cpp only (--engine llamacpp)")
+            gguf_converted_from(path, f"--checkpoint {label}:", directory, gguf)
         else:
             label, checkpoint, _ = labelled_checkpoint(spec, "--checkpoint", directory, gguf)
             path = str(checkpoint)

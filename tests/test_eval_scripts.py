@@ -811,6 +811,42 @@ def test_ruler_refuses_a_checkpoint_of_other_weights_before_any_work(teacher_and
     assert loaded == [] and not (tmp_path / "ruler.jsonl").exists()
 
 
+def test_a_gguf_carries_its_source_to_the_ruler_check(teacher_and_student, tmp_path, monkeypatch, capsys):
+    """export-gguf writes the source conversion.json names into the GGUF, so ruler's LABEL=FILE.gguf is checked as a
+    directory is: other weights refused before any work, its own source taken silently, a file without the record
+    taken with a warning that names what could not be checked."""
+    from transmla_tool.errors import UserError
+    from transmla_tool.gguf_export import GGUFSettings, export_gguf, source_record
+    from transmla_tool.provenance import gguf_converted_from
+
+    teacher, student = teacher_and_student
+    own = tmp_path / "own.gguf"
+    export_gguf(GGUFSettings(checkpoint=str(student), output=str(own), tokenizer_pre="gpt-2"))
+    record = json.loads((student / "conversion.json").read_text())
+    assert source_record(own) == {"source_identity": record["source_identity"], "source": record["source"]}
+    ruler = _eval_module("ruler")
+    loaded = []
+    monkeypatch.setattr("transmla_tool.evaluate.models.load_tokenizer", lambda *a: loaded.append(a))
+    monkeypatch.setattr(sys, "argv", ["ruler.py", "--output-dir", str(tmp_path / "ruler"), "--engine", "llamacpp",
+                                      "--tasks", "niah_single_1", "--checkpoint", f"tiny={own}"])
+    with pytest.raises(UserError, match="the weights differ"):  # --model is SmolLM2, not the tiny teacher
+        ruler.main()
+    assert loaded == [] and not (tmp_path / "ruler" / "ruler.jsonl").exists()
+    capsys.readouterr()
+    gguf_converted_from(str(own), "--checkpoint tiny:", str(teacher), None)
+    assert capsys.readouterr().err == ""
+
+    older = tmp_path / "older"
+    shutil.copytree(student, older)
+    del record["source_identity"]
+    (older / "conversion.json").write_text(json.dumps(record))
+    unrecorded = tmp_path / "unrecorded.gguf"
+    export_gguf(GGUFSettings(checkpoint=str(older), output=str(unrecorded), tokenizer_pre="gpt-2"))
+    assert "source_identity" not in source_record(unrecorded)
+    gguf_converted_from(str(unrecorded), "--checkpoint tiny:", str(teacher), None)
+    assert f"cannot check that --model {teacher} is that model" in capsys.readouterr().err
+
+
 def test_heal_memory_rows_per_arm_and_length(teacher_and_student, text_file, tmp_path):
     """eval/heal_memory.py: each (arm, length) healed in its own process, its peak memory and whether the chunked loss
     ran recorded; a rerun measures nothing again; a malformed arm stops before any work."""

@@ -33,6 +33,8 @@ OUTTYPES = ("f32", "bf16", "f16", "q8_0")
 KEEP_PRECISE = ("attn_kv_a_mqa",)
 QUANTIZE_HINT = "llama-quantize --tensor-type attn_kv_a_mqa=bf16 {src} {dst} Q8_0"
 OUR_KEY = "transmla_tool.version"  # metadata key marking a GGUF this tool wrote (llama.cpp ignores unknown keys)
+# what conversion.json says the checkpoint was converted from, so that a GGUF scored beside an original can be checked
+SOURCE_KEYS = {"source_identity": "transmla_tool.source_identity", "source": "transmla_tool.source"}
 REQUIRED_CONFIG = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
                    "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "max_position_embeddings",
                    "rms_norm_eps")
@@ -69,6 +71,9 @@ def export_gguf(settings: GGUFSettings) -> dict:
         try:
             _write_metadata(writer, config, settings.outtype, ckpt.name)
             writer.add_string(OUR_KEY, __version__)
+            for field, key in SOURCE_KEYS.items():
+                if _record(ckpt).get(field):
+                    writer.add_string(key, str(_record(ckpt)[field]))
             write_tokenizer(writer, ckpt, tokenizer_source, settings.tokenizer_pre, config["vocab_size"])
             tensors = _write_tensors(writer, ckpt, config, settings.outtype)
         finally:
@@ -86,6 +91,24 @@ def written_by_us(path: Path) -> bool:
         return OUR_KEY in GGUFReader(str(path)).fields
     except Exception:  # noqa: BLE001 -- unreadable: not ours to replace
         return False
+
+
+def source_record(path: Path) -> dict:
+    """What a GGUF export-gguf wrote says of the model it was converted from ({} when it says nothing: another
+    tool's file, or one exported before the keys existed)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    return {field: bytes(fields[key].parts[fields[key].data[0]]).decode()
+            for field, key in SOURCE_KEYS.items() if key in fields}
+
+
+def _record(ckpt: Path) -> dict:
+    try:
+        record = json.loads((ckpt / "conversion.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def run_flags(config: dict) -> list[str]:
@@ -133,8 +156,7 @@ def _tokenizer_source(ckpt: Path, settings: GGUFSettings) -> str | None:
         return settings.tokenizer_gguf
     if settings.tokenizer_pre:
         return None
-    summary = ckpt / "conversion.json"
-    source = json.loads(summary.read_text()).get("source", "") if summary.exists() else ""
+    source = str(_record(ckpt).get("source", ""))
     if source.endswith(".gguf") and Path(source).is_file():
         return source
     raise UserError("name the tokenizer llama.cpp should use: --tokenizer-gguf <a GGUF of the source model>, or "

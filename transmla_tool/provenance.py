@@ -50,6 +50,19 @@ def converted_from(path: str, flag: str, model: str, gguf_file: str | None, sour
     return record
 
 
+def gguf_converted_from(path: str, flag: str, model: str, gguf_file: str | None) -> None:
+    """A GGUF scored as a conversion of `model`: refused when export-gguf recorded other source weights in it; a
+    file that records none (another tool's, or exported before the record existed) is said on stderr and taken."""
+    from .gguf_export import source_record
+
+    record = source_record(Path(path))
+    if not record.get("source_identity"):
+        print(f"warning: {flag} {path} does not record the model it was converted from (not written by this "
+              f"transmla-tool's export-gguf): cannot check that --model {model} is that model", file=sys.stderr)
+        return
+    check_source(record, model, gguf_file, "--model", f"{flag} {path}")
+
+
 def labelled_checkpoint(spec: str, flag: str, model: str, gguf_file: str | None) -> tuple[str, Path, dict]:
     """'LABEL=DIR' naming a checkpoint this tool wrote from `model` -> (label, directory, its conversion.json), or
     a one-line refusal before any work."""
