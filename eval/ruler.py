@@ -23,6 +23,7 @@ rows by sample index (a difference is paired over the samples both models hold):
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -106,12 +107,13 @@ def main() -> None:
                 if not todo:
                     continue
                 lm, close = _model(args, label, path, cache, directory, gguf, tokenizer, max(lengths), tmp)
+                size = {"bytes": _cache_bytes(path, cache, directory, gguf)} if args.engine == "llamacpp" else {}
                 try:
                     for task, length in todo:
                         start = time.time()
                         run = _run(lm, task, length, data, args.limit, args.offset, tokenizer_dir)
                         row = {"model": label, "engine": args.engine, "cache": cache, "task": task, "length": length,
-                               "limit": args.limit, "offset": args.offset, "source_model": args.model, **run,
+                               **size, "limit": args.limit, "offset": args.offset, "source_model": args.model, **run,
                                "seconds": round(time.time() - start, 1)}
                         _append(results, row)
                         done.add(_key(row))
@@ -142,6 +144,26 @@ def _model(args, label, path, cache, directory, gguf, tokenizer, length: int, tm
                                      tokenizer_gguf=str(Path(directory) / gguf)))
     lm = LlamaCppLM(str(model_file), tokenizer, cache, n_ctx=length + 256)
     return lm, lm.close
+
+
+def _cache_bytes(path: str | None, cache: str, directory: str, gguf: str) -> float:
+    """Bytes per token per layer llama.cpp caches for the original (`path` None: keys and values of every KV head)
+    or a conversion (one row of latent + rotary key, in the K type)."""
+    from transmla_tool.evaluate.cache import cached_values_per_token_per_layer
+    from transmla_tool.evaluate.frontier import analytic_bytes
+
+    if path is None:
+        from transmla_tool.io.source import open_source
+
+        return analytic_bytes(cache, kv_values=cached_values_per_token_per_layer(open_source(directory, gguf).config)
+                              // 2)
+    if path.endswith(".gguf"):
+        from gguf import GGUFReader
+
+        field = GGUFReader(path).fields["deepseek2.attention.key_length"]  # latent + rope: the cached row
+        return analytic_bytes(cache, mla_values=int(field.parts[field.data[0]][0]))
+    config = json.loads((Path(path) / "config.json").read_text())
+    return analytic_bytes(cache, mla_values=config["kv_lora_rank"] + config["qk_rope_head_dim"])
 
 
 def _run(lm, task: str, length: int, data, limit: int, offset: int, tokenizer_dir: Path) -> dict:
@@ -190,9 +212,12 @@ def write_table(out: Path) -> None:
              "Accuracy (share of samples whose needle value the model generated); beside a converted model, its "
              "difference from the original under the same engine and cache type (f16 for llama.cpp, exact in "
              "transformers), paired over the samples both hold, called a loss only beyond 1.96 stderrs.", "",
-             "| model | engine | cache | task | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
-             "|---|---|---|---|" + "---|" * len(lengths)]
+             "| model | engine | cache | B/token/layer | task | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
+             "|---|---|---|---|---|" + "---|" * len(lengths)]
+    size = {(r["model"], r["engine"], r["cache"]): r["bytes"] for r in rows if r.get("bytes")}
     for model, engine, cache in dict.fromkeys((r["model"], r["engine"], r["cache"]) for r in rows):
+        known = size.get((model, engine, cache))
+        bytes_cell = f"{known:g}" if known else ""  # rows scored before the bytes were recorded, or transformers
         for task in tasks:
             cells = []
             for n in lengths:
@@ -210,7 +235,7 @@ def write_table(out: Path) -> None:
                     text += (f" ({d['delta']:+.2f}" + (f" ± {se:.2f}" if se is not None else "") + f", {d['verdict']}"
                              + (f", on {len(both)}" if len(both) != len(got) else "") + ")")
                 cells.append(text)
-            lines.append(f"| {model} | {engine} | {cache} | {task} | " + " | ".join(cells) + " |")
+            lines.append(f"| {model} | {engine} | {cache} | {bytes_cell} | {task} | " + " | ".join(cells) + " |")
     seconds = sum(r.get("seconds", 0) for r in rows)
     lines += ["", f"{len(rows)} rows, {seconds / 3600:.1f} h of scoring in all (this machine).", ""]
     (out / "ruler.md").write_text("\n".join(lines) + "\n")

@@ -835,6 +835,10 @@ def test_a_gguf_carries_its_source_to_the_ruler_check(teacher_and_student, tmp_p
     capsys.readouterr()
     gguf_converted_from(str(own), "--checkpoint tiny:", str(teacher), None)
     assert capsys.readouterr().err == ""
+    config = json.loads((student / "config.json").read_text())  # the cached row, read from the GGUF or the config
+    row = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    assert ruler._cache_bytes(str(own), "q8_0", "", "") == ruler._cache_bytes(str(student), "q8_0", "", "") == \
+        row * 34 / 32
 
     older = tmp_path / "older"
     shutil.copytree(student, older)
@@ -1239,6 +1243,7 @@ def test_ruler_table_merges_offsets_by_sample_index_and_pairs_what_both_hold(tmp
 
     rows = [row("original", 0, "1" * 10), row("mla", 10, "0000011111"), row("original", 10, "1111111111"),
             row("short", 0, "1111100000"), row("apart", 20, "1100000000")]
+    rows[0]["bytes"] = 768.0  # recorded since 2026-12-06: one row of a cell says the cell's bytes
     first = {k: v for k, v in row("mla", 0, "1111111100").items() if k != "offset"}  # a row from before --offset
     rows.append(first)
     (tmp_path / "ruler.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -1248,7 +1253,9 @@ def test_ruler_table_merges_offsets_by_sample_index_and_pairs_what_both_hold(tmp
     ruler.write_table(tmp_path)
     table = (tmp_path / "ruler.md").read_text()
     assert "20 samples per task and length unless a cell says" in table
+    assert "| original | llamacpp | f16 | 768 | niah_single_1 |" in table
     mla = next(line for line in table.splitlines() if line.startswith("| mla |"))
+    assert "| mla | llamacpp | f16 |  | niah_single_1 |" in mla  # no row says: left blank, not guessed
     assert "| 0.65 (-0.35 ± 0.11, loss) |" in mla  # 13 of 20, paired over all 20
     short = next(line for line in table.splitlines() if line.startswith("| short |"))
     assert "| 0.50 of 10 (-0.50 ± 0.17, loss) |" in short  # paired over the first ten only
