@@ -71,9 +71,10 @@ def export_gguf(settings: GGUFSettings) -> dict:
         try:
             _write_metadata(writer, config, settings.outtype, ckpt.name)
             writer.add_string(OUR_KEY, __version__)
+            record = _record(ckpt)
             for field, key in SOURCE_KEYS.items():
-                if _record(ckpt).get(field):
-                    writer.add_string(key, str(_record(ckpt)[field]))
+                if record.get(field):
+                    writer.add_string(key, str(record[field]))
             write_tokenizer(writer, ckpt, tokenizer_source, settings.tokenizer_pre, config["vocab_size"])
             tensors = _write_tensors(writer, ckpt, config, settings.outtype)
         finally:
