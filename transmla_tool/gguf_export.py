@@ -26,7 +26,9 @@ import torch
 from . import __version__
 from .errors import UserError
 from .gguf_tokenizer import LLAMA_CPP_PRE_TOKENIZERS, write_tokenizer
+from .io.gguf_fields import field_text
 from .io.staging import local_paths, staged_file
+from .provenance import read_record
 
 OUTTYPES = ("f32", "bf16", "f16", "q8_0")
 # tensors too small in magnitude for f16 or quantized blocks (see module doc)
@@ -71,7 +73,7 @@ def export_gguf(settings: GGUFSettings) -> dict:
         try:
             _write_metadata(writer, config, settings.outtype, ckpt.name)
             writer.add_string(OUR_KEY, __version__)
-            record = _record(ckpt)
+            record = read_record(ckpt)
             for field, key in SOURCE_KEYS.items():
                 if record.get(field):
                     writer.add_string(key, str(record[field]))
@@ -100,16 +102,7 @@ def source_record(path: Path) -> dict:
     from gguf import GGUFReader
 
     fields = GGUFReader(str(path)).fields
-    return {field: bytes(fields[key].parts[fields[key].data[0]]).decode()
-            for field, key in SOURCE_KEYS.items() if key in fields}
-
-
-def _record(ckpt: Path) -> dict:
-    try:
-        record = json.loads((ckpt / "conversion.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return record if isinstance(record, dict) else {}
+    return {field: field_text(fields[key]) for field, key in SOURCE_KEYS.items() if key in fields}
 
 
 def run_flags(config: dict) -> list[str]:
@@ -157,7 +150,7 @@ def _tokenizer_source(ckpt: Path, settings: GGUFSettings) -> str | None:
         return settings.tokenizer_gguf
     if settings.tokenizer_pre:
         return None
-    source = str(_record(ckpt).get("source", ""))
+    source = str(read_record(ckpt).get("source", ""))
     if source.endswith(".gguf") and Path(source).is_file():
         return source
     raise UserError("name the tokenizer llama.cpp should use: --tokenizer-gguf <a GGUF of the source model>, or "

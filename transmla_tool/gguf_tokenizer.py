@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import UserError
+from .io.gguf_fields import field_number
 
 # The pre-tokenizer names llama.cpp's loader knows (src/llama-vocab.cpp of the llama-cpp-python 0.3.36 sdist; any
 # other name makes it refuse the file). tests/test_engines.py checks this list against the built source.
@@ -38,7 +39,7 @@ def gguf_special_token_ids(path: str | Path, reader=None) -> dict[str, int]:
     for role, key in GGUF_SPECIAL_TOKENS.items():
         field = reader.fields.get(key)
         if field is not None:
-            ids[role] = int(field.parts[field.data[0]][0])
+            ids[role] = field_number(field)
     return ids
 
 

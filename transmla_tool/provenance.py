@@ -19,19 +19,22 @@ PROBE_TEXT = ("The quick brown fox, 3.14159 — naïve café; def f(x):\n\tretur
               "   don't  SHOUT")
 
 
+def read_record(model_dir: str | Path) -> dict:
+    """conversion.json of a directory as written, or {} when it has none that parses as a record."""
+    try:
+        record = json.loads((Path(model_dir) / "conversion.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def conversion_record(model_dir: str, flag: str) -> dict:
     """conversion.json of a checkpoint this tool wrote (convert, heal or rebalance), or a one-line refusal."""
     path = Path(model_dir)
     if not path.is_dir():
         raise UserError(f"{flag} {model_dir} is not a directory; pass the directory transmla-tool convert wrote")
-    record_path = path / "conversion.json"
-    record = None
-    if record_path.is_file():
-        try:
-            record = json.loads(record_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            record = None
-    if not isinstance(record, dict) or record.get("tool") != "transmla_tool":
+    record = read_record(path)
+    if record.get("tool") != "transmla_tool":
         model_type = _model_type(path)
         what = f"a {model_type} model" if model_type else "not a model directory"
         raise UserError(f"{flag} {model_dir} is {what} without a conversion.json written by transmla-tool; pass a "

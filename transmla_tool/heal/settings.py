@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..ops.kv_quant import BLOCK, SIMULATED_CACHE_TYPES, mla_cache_problem
+from ..provenance import read_record
 
 SETTINGS_FILE = "settings.json"  # in the checkpoint directory: what a --resume must match
 # Settings a resumed run may change: they do not touch the trained weights, the data order or the schedule.
@@ -113,14 +114,7 @@ def check_cache_row(name: str | None, latent: int, rope: int) -> None:
 def check_converted(model_dir: str) -> None:
     """Healing trains in natural form, which assumes the latent RMSNorm convert linearized: refuse any other
     DeepSeek-V3 checkpoint (a genuine DeepSeek model would be altered silently)."""
-    summary = Path(model_dir) / "conversion.json"
-    tool = None
-    if summary.exists():
-        try:
-            tool = json.loads(summary.read_text()).get("tool")
-        except (json.JSONDecodeError, AttributeError):
-            tool = None
-    if tool != "transmla_tool":
+    if read_record(model_dir).get("tool") != "transmla_tool":
         raise UserError(f"--model {model_dir} has no conversion.json written by transmla-tool convert: heal assumes the "
                         "linearized latent norm convert writes and would alter any other DeepSeek-V3 checkpoint")
 

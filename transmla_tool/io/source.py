@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from .gguf_fields import field_text
 
 # What we need from a hub repository: weights, config, tokenizer and generation config.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -251,8 +252,7 @@ class GGUFSource(CheckpointSource):
         from transformers import AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-        architecture = self._reader.fields["general.architecture"]
-        architecture = bytes(architecture.parts[architecture.data[0]]).decode()
+        architecture = field_text(self._reader.fields["general.architecture"])
         processor_cls = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
         self._processor = processor_cls(config=self.config.to_dict())
         with torch.device("meta"):
