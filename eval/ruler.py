@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quality import _append, _read, check_same_scoring  # noqa: E402
 
 from transmla_tool.errors import UserError  # noqa: E402
+from transmla_tool.evaluate.frontier import analytic_bytes  # noqa: E402
 from transmla_tool.evaluate.lmeval import delta_entry  # noqa: E402
 from transmla_tool.provenance import gguf_converted_from, labelled_checkpoint  # noqa: E402
 from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
@@ -101,13 +102,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ruler-") as tmp:
         data = resolve(tasks, Path(tmp) / "tasks", "hub")  # generated locally: nothing to resolve
         for label, path in models:
+            row_values = _cached_row(path, directory, gguf) if args.engine == "llamacpp" else None
             for cache in caches:
                 todo = [(t, n) for t in tasks for n in lengths
                         if (label, args.engine, cache, t, n, args.offset) not in done]
                 if not todo:
                     continue
                 lm, close = _model(args, label, path, cache, directory, gguf, tokenizer, max(lengths), tmp)
-                size = {"bytes": _cache_bytes(path, cache, directory, gguf)} if args.engine == "llamacpp" else {}
+                size = {"bytes": analytic_bytes(cache, **row_values)} if row_values else {}
                 try:
                     for task, length in todo:
                         start = time.time()
@@ -146,24 +148,22 @@ def _model(args, label, path, cache, directory, gguf, tokenizer, length: int, tm
     return lm, lm.close
 
 
-def _cache_bytes(path: str | None, cache: str, directory: str, gguf: str) -> float:
-    """Bytes per token per layer llama.cpp caches for the original (`path` None: keys and values of every KV head)
-    or a conversion (one row of latent + rotary key, in the K type)."""
-    from transmla_tool.evaluate.cache import cached_values_per_token_per_layer
-    from transmla_tool.evaluate.frontier import analytic_bytes
-
+def _cached_row(path: str | None, directory: str, gguf: str) -> dict:
+    """What llama.cpp caches per token per layer, as frontier.analytic_bytes takes it: the original's keys (and as
+    many values) of every KV head (`path` None), or a conversion's one row of latent + rotary key."""
     if path is None:
+        from transmla_tool.evaluate.cache import cached_values_per_token_per_layer
         from transmla_tool.io.source import open_source
 
-        return analytic_bytes(cache, kv_values=cached_values_per_token_per_layer(open_source(directory, gguf).config)
-                              // 2)
+        return {"kv_values": cached_values_per_token_per_layer(open_source(directory, gguf).config) // 2}
     if path.endswith(".gguf"):
         from gguf import GGUFReader
 
-        field = GGUFReader(path).fields["deepseek2.attention.key_length"]  # latent + rope: the cached row
-        return analytic_bytes(cache, mla_values=int(field.parts[field.data[0]][0]))
+        from transmla_tool.io.gguf_fields import field_number
+
+        return {"mla_values": field_number(GGUFReader(path).fields["deepseek2.attention.key_length"])}
     config = json.loads((Path(path) / "config.json").read_text())
-    return analytic_bytes(cache, mla_values=config["kv_lora_rank"] + config["qk_rope_head_dim"])
+    return {"mla_values": config["kv_lora_rank"] + config["qk_rope_head_dim"]}
 
 
 def _run(lm, task: str, length: int, data, limit: int, offset: int, tokenizer_dir: Path) -> dict:

@@ -837,8 +837,8 @@ def test_a_gguf_carries_its_source_to_the_ruler_check(teacher_and_student, tmp_p
     assert capsys.readouterr().err == ""
     config = json.loads((student / "config.json").read_text())  # the cached row, read from the GGUF or the config
     row = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-    assert ruler._cache_bytes(str(own), "q8_0", "", "") == ruler._cache_bytes(str(student), "q8_0", "", "") == \
-        row * 34 / 32
+    assert ruler._cached_row(str(own), "", "") == ruler._cached_row(str(student), "", "") == {"mla_values": row}
+    assert ruler.analytic_bytes("q8_0", **ruler._cached_row(str(own), "", "")) == row * 34 / 32
 
     older = tmp_path / "older"
     shutil.copytree(student, older)
