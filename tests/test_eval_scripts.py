@@ -779,8 +779,12 @@ def test_length_scores_a_given_checkpoint_from_its_record(teacher_and_student, m
     from transmla_tool.errors import UserError
 
     length = _eval_module("length")
-    teacher, student = teacher_and_student
+    teacher, shared = teacher_and_student
+    student = tmp_path / "student"  # a copy whose record names a cost no clock can give by chance
+    shutil.copytree(shared, student)
     record = json.loads((student / "conversion.json").read_text())
+    record["wall_time_s"] = 123.4
+    (student / "conversion.json").write_text(json.dumps(record))
     empty = tmp_path / "ckpt"
     empty.mkdir()
     with pytest.raises(UserError, match="without a conversion.json written by transmla-tool"):
@@ -788,7 +792,7 @@ def test_length_scores_a_given_checkpoint_from_its_record(teacher_and_student, m
     config, path, cost = length.checkpoint_config(f"r8={student}", str(teacher), None)
     assert (config["name"], config["budget"], config["rope_dim"], config["calib_seq_len"]) == ("r8", 16, 8, 64)
     assert (config["method"]["refine_steps"], config["calib_samples"], path) == (0, 8, student)  # closed form
-    assert cost["convert_seconds"] == record["wall_time_s"] > 0
+    assert cost["convert_seconds"] == 123.4
     with pytest.raises(UserError, match="the weights differ"):  # same architecture, other weights
         length.checkpoint_config(f"r8={student}", str(make_model("llama", kv_heads=2)), None)
     with pytest.raises(UserError, match="is not LABEL=DIR"):
