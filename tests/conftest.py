@@ -4,6 +4,7 @@ family we convert (GQA, MHA, MQA, biases, Llama-3 rope scaling), saved as real s
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,13 @@ def teacher_and_student(trained_model, text_file, tmp_path_factory):
                             calib_data=str(text_file), calib_samples=8, calib_seq_len=64, dtype="float32",
                             device="cpu", progress=False, method=PRESETS["closed-form"]))
     return teacher, student
+
+
+@pytest.fixture
+def teacher_and_student_copy(teacher_and_student, tmp_path):
+    """The same pair, the student copied into this test's directory: a test that writes into it leaves the shared one
+    alone."""
+    teacher, student = teacher_and_student
+    copy = tmp_path / "student"
+    shutil.copytree(student, copy)
+    return teacher, copy

@@ -773,15 +773,13 @@ def test_length_ablation_configs_and_table(tmp_path):
     assert "| a | 192 | 32 | 512 | 90.0 | 2000.0 | 1.500 |\n" in table and "growth" not in table
 
 
-def test_length_scores_a_given_checkpoint_from_its_record(teacher_and_student, make_model, tmp_path):
+def test_length_scores_a_given_checkpoint_from_its_record(teacher_and_student_copy, make_model, tmp_path):
     """eval/length.py --checkpoint NAME=DIR: budget, rotary size, calibration length and method come from the
     checkpoint's conversion record; a directory without one, or a conversion of other weights, stops at once."""
     from transmla_tool.errors import UserError
 
     length = _eval_module("length")
-    teacher, shared = teacher_and_student
-    student = tmp_path / "student"  # a copy whose record names a cost no clock can give by chance
-    shutil.copytree(shared, student)
+    teacher, student = teacher_and_student_copy  # a copy whose record names a cost no clock can give by chance
     record = json.loads((student / "conversion.json").read_text())
     record["wall_time_s"] = 123.4
     (student / "conversion.json").write_text(json.dumps(record))

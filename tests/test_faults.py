@@ -342,13 +342,6 @@ def test_killed_between_shards_resumes_with_the_parts_already_freed(convert_args
     assert not (tmp_path / "out" / "parts").exists()
 
 
-@pytest.fixture
-def teacher_and_student_copy(teacher_and_student, tmp_path):
-    teacher, student = teacher_and_student
-    copy = tmp_path / "student"
-    shutil.copytree(student, copy)
-    return teacher, copy
-
 
 def test_killed_heal_export_resumes(teacher_and_student_copy, text_file, tmp_path):
     """Issue case 9: a heal killed while writing its final checkpoint: --resume alone finishes it (no training again),
