@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rope-dim", type=int, default=64,
                         help="qk_rope_head_dim of the conversion (32 leaves the latent 32 more values at equal bytes)")
     parser.add_argument("--calib-samples", type=int, default=ConvertSettings.calib_samples)
+    parser.add_argument("--calib-seq-len", type=int, default=ConvertSettings.calib_seq_len,
+                        help="calibration window length of the conversion (`convert --calib-seq-len`): e.g. 8192 "
+                        "with --calib-samples 8 and --set refine_batch=1 refines on queries at every distance "
+                        "to 8192 (docs/long-context.md)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                         help="override one setting of the `default` conversion method (repeatable)")
     parser.add_argument("--repeat-share", type=float, default=0.0,
@@ -189,6 +193,8 @@ def main() -> None:
               "method": method.as_dict()}
     if args.rope_dim != 64:  # recorded only when not the default, so earlier run directories still resume
         wanted["rope_dim"] = args.rope_dim
+    if args.calib_seq_len != ConvertSettings.calib_seq_len:  # likewise
+        wanted["calib_seq_len"] = args.calib_seq_len
     if args.model != "smollm2-135m":  # likewise
         wanted["model"] = args.model
     if args.target != "transformers":
@@ -204,6 +210,7 @@ def main() -> None:
     if not (converted / "config.json").exists():
         done = convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
                                        rope_dim=args.rope_dim, calib_data=str(calib), calib_samples=args.calib_samples,
+                                       calib_seq_len=args.calib_seq_len,
                                        method=method, target=args.target, dtype="float32", device=str(device),
                                        overwrite=True))
         record.write_text(json.dumps(wanted) + "\n")

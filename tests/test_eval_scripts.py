@@ -215,6 +215,8 @@ def test_heal_benchmark_refuses_a_directory_converted_with_other_settings(tmp_pa
     assert run.returncode != 0 and "use another --output-dir" in run.stderr
     run = _heal_script("--output-dir", str(out), "--data", "mix-code", "--rope-dim", "32")  # another rotary key size
     assert run.returncode != 0 and '"rope_dim": 32' in run.stderr
+    run = _heal_script("--output-dir", str(out), "--data", "mix-code", "--calib-seq-len", "8192")  # longer windows
+    assert run.returncode != 0 and '"calib_seq_len": 8192' in run.stderr
     # the calibration mix is part of the record: one that matches in all else but does not name it is refused
     from transmla_tool.methods import resolve_method
 
