@@ -342,7 +342,6 @@ def test_killed_between_shards_resumes_with_the_parts_already_freed(convert_args
     assert not (tmp_path / "out" / "parts").exists()
 
 
-
 def test_killed_heal_export_resumes(teacher_and_student_copy, text_file, tmp_path):
     """Issue case 9: a heal killed while writing its final checkpoint: --resume alone finishes it (no training again),
     and the result equals an uninterrupted heal's."""
