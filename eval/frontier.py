@@ -15,6 +15,12 @@ the domains the calibration never saw.
         --configs "pca=default:latent_basis=pca,rope_key_balance=none"          # more rows, same file
     python eval/frontier.py --output-dir runs/frontier --calib mix-news,mix-forum,mix-code,mix-docs  # leave-one-out
     python eval/frontier.py --output-dir runs/frontier --table-only --max-cache-bytes 216
+    python eval/frontier.py --output-dir runs/frontier-8192 --ctx 8192 --chunks 2 --data-dir runs/length/data \\
+        --configs '' --checkpoint "calib8192=runs/length/ckpt/default-rope64-calib8192"  # a finished conversion
+
+A finished conversion or heal of --model (convert, eval/length.py, eval/heal.py) is scored as it is with
+`--checkpoint NAME=DIR`: its calibration source is read from its record (files of this run's domain splits, so that
+the text it is scored on is text it never saw), its budget from its config.
 
 Resumable: rows go to <output-dir>/frontier.jsonl keyed by (model, calibration, config, budget, cache type,
 domain); a rerun measures only what is missing (a configuration name whose rows were made with other
@@ -61,6 +67,7 @@ from transmla_tool.evaluate.frontier import (  # noqa: E402
 )
 from transmla_tool.io.resume import result_settings  # noqa: E402
 from transmla_tool.methods import recorded_method, resolve_method  # noqa: E402
+from transmla_tool.provenance import labelled_checkpoint  # noqa: E402
 from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
 # rows written before --model existed were all SmolLM2's
@@ -106,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an earlier frontier directory whose kept GGUFs (--keep-gguf) are scored here instead of "
                         "converting again (same calibration, configuration and settings, checked on its rows): the "
                         "same models at another --ctx")
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
+                        help="a finished conversion (or heal) of --model scored as it is, under --cache-types, on the "
+                        "kinds of text its calibration left out (repeatable)")
     parser.add_argument("--table-only", action="store_true", help="rebuild frontier.md/.png, measure nothing")
     parser.add_argument("--plot-configs", default="",
                         help="';'-separated configuration names (as in --configs) the plot shows beside the original "
@@ -154,6 +164,10 @@ def main() -> None:
     original_kv_values = kv_values(model_dir, gguf)
     splits = reuse_splits(Path(args.data_dir)) if args.data_dir else domain_splits(out / "data")
     specs = {source: calib_spec(source, splits) for source in args.calib.split(",")}
+    given = [checkpoint_point(spec, model_dir, gguf, splits) for spec in args.checkpoint]  # refused before any work
+    clash = {p["base"]["config"] for p in given} & {name for name, _, _ in configs}
+    if clash:
+        raise SystemExit(f"--checkpoint {sorted(clash)[0]}: a --configs entry has the same name")
     texts = {d: _text_file(splits[d][1], out / "text" / f"{d}.txt") for d in DOMAINS}
     done = {_key(r) for r in rows}
 
@@ -178,8 +192,10 @@ def main() -> None:
     original_f32 = gguf_dir / "original-f32.gguf"
     # the original on the kinds of text the asked calibrations are scored on (all four with --all-domains): a 1.5B
     # model under five caches on 2 CPU cores is hours per kind of text
+    # --calib's sources where it converts (or nothing else is asked: `--configs ''` scores the original alone)
+    calibrations = [*(specs if configs or not given else []), *(p["base"]["calib"] for p in given)]
     original_domains = DOMAINS if args.all_domains or args.in_domain else \
-        [d for d in DOMAINS if any(d in unseen(s) for s in specs)]
+        [d for d in DOMAINS if any(d in unseen(s) for s in calibrations)]
     if any(("original", "-", "original", 0, e, d) not in done for e in original_types for d in original_domains):
         if not original_f32.exists():  # the Q4_1 file's values stored as F32: what the conversion reads
             quantize(Path(model_dir) / gguf, original_f32, "F32", allow_requantize=True)
@@ -233,7 +249,65 @@ def main() -> None:
                 elif latent not in reused:  # what llama.cpp must be told at run time, for a later --gguf-from
                     model_file.with_name(f"{ckpt.name}.run-flags.json").write_text(json.dumps(exported["run_flags"]))
                 gc.collect()
+    for point in given:
+        base = point["base"]
+        check_resumable(rows, results, {k: base[k] for k in ("model", "calib", "config")},
+                        {k: base[k] for k in ("method", "calib_samples", "calib_seq_len", "checkpoint")})
+        domains = DOMAINS if args.in_domain else unseen(base["calib"])
+        if all(_key({**base, "cache": e, "domain": d}) in done for e in converted_types for d in domains):
+            continue
+        model_file = gguf_dir / f"{base['calib']}-{base['config']}-{base['budget']}-f32.gguf"
+        exported = export_gguf(GGUFSettings(checkpoint=base["checkpoint"], output=str(model_file), outtype="f32",
+                                            tokenizer_gguf=str(Path(model_dir) / gguf), overwrite=True))
+        measure(model_file, exported["run_flags"], base, converted_types,
+                lambda e, v=base["budget"]: analytic_bytes(e, mla_values=v), domains)
+        if args.keep_gguf:  # what llama.cpp must be told at run time, for a later --gguf-from
+            model_file.with_name(f"{model_file.name[:-len('-f32.gguf')]}.run-flags.json").write_text(
+                json.dumps(exported["run_flags"]))
+        else:
+            model_file.unlink(missing_ok=True)
     write_tables(out, budgets_asked, _names(args.plot_configs), args.max_ratio)
+
+
+def checkpoint_point(spec: str, model_dir: str, gguf: str | None, splits: dict) -> dict:
+    """--checkpoint 'NAME=DIR' of a finished conversion or heal of --model -> {"base": the fields of its rows}: the
+    calibration source it was converted on (calibration_source), its budget and how it was made, from its record."""
+    try:
+        name, ckpt, summary = labelled_checkpoint(spec, "--checkpoint", model_dir, gguf)
+    except UserError as exc:
+        raise SystemExit(f"frontier.py: {exc}") from None
+    made = summary["settings"]
+    healing = ckpt / "healing.json"
+    base = {"model": "converted", "calib": calibration_source(made["calib_data"], splits, f"--checkpoint {name}"),
+            "config": name, "preset": made["method_name"], "overrides": [],
+            "budget": made["latent_dim"] + made["rope_dim"], "latent_dim": made["latent_dim"],
+            "rope_dim": made["rope_dim"], "method": recorded_method(made["method"]),
+            "calib_samples": made["calib_samples"], "calib_seq_len": made["calib_seq_len"], "checkpoint": str(ckpt),
+            "convert_seconds_all_budgets": summary.get("wall_time_s"), "stages": summary.get("stages"),
+            "healed_tokens": json.loads(healing.read_text())["tokens"] if healing.exists() else 0}
+    return {"base": base}
+
+
+def calibration_source(calib_data: str, splits: dict, flag: str) -> str:
+    """The calibration source name (a domain, mix or mix-DOMAIN) whose files a conversion's record names: the same
+    file names as this run's splits, and where the recorded files are still there, the same documents (else the
+    held-out text this run scores could be text the conversion was calibrated on)."""
+    recorded = sorted((Path(p) for p in calib_data.split(",")), key=lambda p: p.name)
+    for source in [*DOMAINS, "mix", *(f"mix-{d}" for d in DOMAINS)]:
+        ours = sorted((Path(p) for p in calib_spec(source, splits).split(",")), key=lambda p: p.name)
+        if [p.name for p in ours] != [p.name for p in recorded]:
+            continue
+        for theirs, mine in zip(recorded, ours):
+            if not theirs.exists():
+                print(f"warning: {flag} was calibrated on {theirs}, which is gone: cannot check that it holds the "
+                      f"documents of {mine}", file=sys.stderr)
+            elif theirs.resolve() != mine.resolve() and theirs.read_bytes() != mine.read_bytes():
+                raise SystemExit(f"{flag} was calibrated on {theirs}, other documents than this run's {mine}: its "
+                                 "held-out text could overlap the calibration; pass --data-dir "
+                                 f"{theirs.parent} (the splits it was calibrated on)")
+        return source
+    raise SystemExit(f"{flag} was calibrated on {calib_data}, not on domain splits (DOMAIN-calib.jsonl): frontier.py "
+                     "cannot tell which text it never saw; convert it with --calib-data from a --data-dir's splits")
 
 
 def finished_conversion(ckpt: Path, settings: ConvertSettings, latent: int) -> dict | None:
@@ -443,11 +517,15 @@ def commands(rows: list[dict], out: Path) -> list[str]:
         if model == "original":
             lines.append(f"{base} --configs '' --original-cache-types {caches}")
             continue
+        if r.get("checkpoint"):
+            lines.append(f'{base} --configs \'\' --checkpoint "{config}={r["checkpoint"]}" --cache-types {caches}')
+            continue
         sets = remaking_overrides(r["preset"], r.get("overrides") or [], r.get("method"))
         spec = r["preset"] + (":" + ",".join(sets) if sets else "")
         budgets = ",".join(str(b) for b in sorted(group["budgets"]))
         samples = f" --calib-samples {r['calib_samples']}" if r.get("calib_samples") != ConvertSettings.calib_samples else ""
         samples += f" --rope-dim {r['rope_dim']}" if r.get("rope_dim", 64) != 64 else ""
+        samples += f" --calib-seq-len {r['calib_seq_len']}" if r.get("calib_seq_len", 512) != 512 else ""
         lines.append(f'{base} --calib {calib}{samples} --budgets {budgets} --configs "{config}={spec}" '
                      f"--cache-types {caches}")
     return [*lines, "```", ""]

@@ -1034,6 +1034,57 @@ def test_frontier_killed_while_scoring_does_not_convert_again(make_model, tmp_pa
     assert len(scored) == 5
 
 
+def test_frontier_scores_a_finished_checkpoint_on_the_text_its_calibration_left_out(make_model, tmp_path,
+                                                                                     monkeypatch, capsys):
+    """eval/frontier.py --checkpoint NAME=DIR: a conversion made elsewhere is exported and scored as it is (nothing
+    converted), on the domain its recorded calibration left out, with how it was made in its rows; a rerun scores
+    nothing again, and a checkpoint calibrated on other documents than the splits scored here is refused before any
+    work (its held-out text could be its calibration text)."""
+    frontier, scored = _frontier_on_recorder(make_model, tmp_path, monkeypatch,
+                                             ["--keep-checkpoints", "--budgets", "24"])
+    frontier.main()  # a conversion kept by an earlier run: the checkpoint scored below
+    first = tmp_path / "frontier"
+    ckpt = first / "ckpt" / "mix-docs-default-24"
+    labelled = frontier.labelled_checkpoint  # the tiny model is a directory, not the registry's GGUF
+    monkeypatch.setattr(frontier, "labelled_checkpoint",
+                        lambda spec, flag, model, gguf: labelled(spec, flag, model, None))
+    out = tmp_path / "at-length"
+    argv = [a for a in sys.argv if a not in ("--keep-checkpoints",)]
+    argv[argv.index("--output-dir") + 1] = str(out)
+    monkeypatch.setattr(sys, "argv", [*argv, "--configs", "", "--calib", "news", "--data-dir", str(first / "data"),
+                                      "--checkpoint", f"kept={ckpt}"])
+    del scored[:]
+    frontier.conversions = []
+    frontier.main()
+    rows = [json.loads(line) for line in (out / "frontier.jsonl").read_text().splitlines()]
+    converted = [r for r in rows if r["model"] == "converted"]
+    assert frontier.conversions == []
+    assert sorted((r["config"], r["calib"], r["budget"], r["cache"], r["domain"]) for r in converted) == [
+        ("kept", "mix-docs", 24, "f16", "docs"), ("kept", "mix-docs", 24, "f32", "docs")]
+    made = json.loads((ckpt / "conversion.json").read_text())["settings"]
+    assert {(r["checkpoint"], r["calib_seq_len"], r["latent_dim"], r["healed_tokens"]) for r in converted} == {
+        (str(ckpt), made["calib_seq_len"], 16, 0)}
+    # the original on docs alone: the checkpoint's unseen text (--calib's news, unused, would add three kinds)
+    assert sorted(r["domain"] for r in rows if r["model"] == "original") == ["docs"]
+    assert [name for name, _ in scored] == ["original-f32.gguf", *["mix-docs-kept-24-f32.gguf"] * 2]
+    assert not list((out / "gguf").glob("mix-docs-*"))  # exported to be scored, then deleted (no --keep-gguf)
+    table = (out / "frontier.md").read_text()
+    assert "kept 16 + 8" in table and f'--checkpoint "kept={ckpt}"' in table
+
+    frontier.main()  # resumed: nothing left to score
+    assert len(scored) == 3
+
+    other = tmp_path / "other-data"
+    shutil.copytree(first / "data", other)
+    (other / "news-calib.jsonl").write_text(json.dumps({"text": "other documents"}) + "\n")
+    monkeypatch.setattr(sys, "argv", [*argv[:argv.index("--output-dir") + 1], str(tmp_path / "refused"),
+                                      *argv[argv.index("--output-dir") + 2:], "--configs", "", "--data-dir",
+                                      str(other), "--checkpoint", f"kept={ckpt}"])
+    with pytest.raises(SystemExit, match="other documents than this run's .*news-calib.jsonl.*--data-dir"):
+        frontier.main()
+    assert len(scored) == 3
+
+
 def test_benchmarks_start_in_a_new_directory(tmp_path, monkeypatch):
     """eval/benchmarks.py pointed at a --frontier-dir that does not exist yet (only the original and --checkpoint
     points): the original's F32 GGUF is written there. llama-quantize cannot create the folder it writes into, so the
