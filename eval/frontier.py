@@ -67,7 +67,7 @@ from transmla_tool.evaluate.frontier import (  # noqa: E402
 )
 from transmla_tool.io.resume import result_settings  # noqa: E402
 from transmla_tool.methods import recorded_method, resolve_method  # noqa: E402
-from transmla_tool.provenance import labelled_checkpoint  # noqa: E402
+from transmla_tool.provenance import calibrated_on, labelled_checkpoint  # noqa: E402
 from transmla_tool.registry import MODELS, model_gguf  # noqa: E402
 
 # rows written before --model existed were all SmolLM2's
@@ -289,23 +289,14 @@ def checkpoint_point(spec: str, model_dir: str, gguf: str | None, splits: dict) 
 
 
 def calibration_source(calib_data: str, splits: dict, flag: str) -> str:
-    """The calibration source name (a domain, mix or mix-DOMAIN) whose files a conversion's record names: the same
-    file names as this run's splits, and where the recorded files are still there, the same documents (else the
-    held-out text this run scores could be text the conversion was calibrated on)."""
-    recorded = sorted((Path(p) for p in calib_data.split(",")), key=lambda p: p.name)
+    """The calibration source name (a domain, mix or mix-DOMAIN) whose files of this run's splits a conversion's record
+    names (the same documents, where the recorded files are still there: provenance.calibrated_on)."""
     for source in [*DOMAINS, "mix", *(f"mix-{d}" for d in DOMAINS)]:
-        ours = sorted((Path(p) for p in calib_spec(source, splits).split(",")), key=lambda p: p.name)
-        if [p.name for p in ours] != [p.name for p in recorded]:
-            continue
-        for theirs, mine in zip(recorded, ours):
-            if not theirs.exists():
-                print(f"warning: {flag} was calibrated on {theirs}, which is gone: cannot check that it holds the "
-                      f"documents of {mine}", file=sys.stderr)
-            elif theirs.resolve() != mine.resolve() and theirs.read_bytes() != mine.read_bytes():
-                raise SystemExit(f"{flag} was calibrated on {theirs}, other documents than this run's {mine}: its "
-                                 "held-out text could overlap the calibration; pass --data-dir "
-                                 f"{theirs.parent} (the splits it was calibrated on)")
-        return source
+        try:
+            if calibrated_on(calib_data, calib_spec(source, splits), flag):
+                return source
+        except UserError as exc:
+            raise SystemExit(f"frontier.py: {exc}") from None
     raise SystemExit(f"{flag} was calibrated on {calib_data}, not on domain splits (DOMAIN-calib.jsonl): frontier.py "
                      "cannot tell which text it never saw; convert it with --calib-data from a --data-dir's splits")
 

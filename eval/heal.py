@@ -10,7 +10,12 @@ The conversion uses `transmla-tool convert`'s defaults (method `default`, 128 ca
 `--calib-samples N` and `--set NAME=VALUE` (repeatable, as in `transmla-tool convert`) change them, e.g.
 `--calib-samples 64 --set moment_shrinkage=0 --set refine_steps=100 --set refine_windows=64` for the
 earlier default the README's "that default" rows were measured with. The settings are recorded in
-<output-dir>/conversion.json; rerunning in the same directory with other settings is refused.
+<output-dir>/conversion.json; rerunning in the same directory with other settings is refused. A conversion made
+elsewhere with the same settings and calibration text (eval/length.py's, 2 h at 8192-token windows on 2 cores) is
+healed without converting again with `--converted DIR` (its record is checked against these flags first):
+
+    python eval/heal.py --output-dir runs/heal8k --data mix-docs --latent-dim 128 --calib-seq-len 8192 \\
+        --calib-samples 8 --set refine_batch=1 --target llamacpp --converted runs/length/ckpt/default-rope64-calib8192
 
 `--data mix-DOMAIN` (DOMAIN one of news, forum, code, docs; see eval/crossdomain.py): the conversion
 calibrates and the healing trains on an equal mix of the other three domains' calibration documents,
@@ -43,7 +48,9 @@ from transmla_tool.evaluate.models import load_model, load_tokenizer
 from transmla_tool.evaluate.perplexity import perplexity
 from transmla_tool.heal.settings import check_cache_type, check_repeat_share
 from transmla_tool.heal.train import HealSettings, heal
+from transmla_tool.io.resume import result_settings
 from transmla_tool.methods import recorded_method, resolve_method
+from transmla_tool.provenance import calibrated_on, converted_from
 from transmla_tool.registry import MODELS, model_gguf
 
 
@@ -65,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="calibration window length of the conversion (`convert --calib-seq-len`): e.g. 8192 "
                         "with --calib-samples 8 and --set refine_batch=1 refines on queries at every distance "
                         "to 8192 (docs/long-context.md)")
+    parser.add_argument("--converted", default=None, metavar="DIR",
+                        help="a finished conversion of --model made with exactly this run's conversion settings and "
+                        "calibration text (e.g. by eval/length.py, or frontier.py --keep-checkpoints), healed instead "
+                        "of converting again: checked against its record, then copied into the run")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
                         help="override one setting of the `default` conversion method (repeatable)")
     parser.add_argument("--repeat-share", type=float, default=0.0,
@@ -208,14 +219,18 @@ def main() -> None:
         raise SystemExit(f"{out} holds a conversion made with {record.read_text().strip()}, not {json.dumps(wanted)}; "
                          "use another --output-dir")
     if not (converted / "config.json").exists():
-        done = convert(ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
-                                       rope_dim=args.rope_dim, calib_data=str(calib), calib_samples=args.calib_samples,
-                                       calib_seq_len=args.calib_seq_len,
-                                       method=method, target=args.target, dtype="float32", device=str(device),
-                                       overwrite=True))
+        settings = ConvertSettings(model=model_dir, gguf_file=gguf, output=str(converted), latent_dim=args.latent_dim,
+                                   rope_dim=args.rope_dim, calib_data=str(calib), calib_samples=args.calib_samples,
+                                   calib_seq_len=args.calib_seq_len, method=method, target=args.target,
+                                   dtype="float32", device=str(device), overwrite=True)
+        if args.converted:
+            done = adopt_conversion(Path(args.converted), settings, converted)
+            where = {"device": done["settings"]["device"], "adopted_from": args.converted}
+        else:
+            done, where = convert(settings), {"device": str(device)}
         record.write_text(json.dumps(wanted) + "\n")
-        timing = {k: done[k] for k in ("wall_time_s", "peak_rss_mb", "peak_gpu_mb", "stages")}
-        (out / "conversion-time.json").write_text(json.dumps({**timing, "device": str(device)}, indent=2))
+        timing = {k: done.get(k) for k in ("wall_time_s", "peak_rss_mb", "peak_gpu_mb", "stages")}
+        (out / "conversion-time.json").write_text(json.dumps({**timing, **where}, indent=2))
 
     eval_seq_len = args.eval_seq_len or args.seq_len
     original = original_perplexity(out / "original.json", model_dir, gguf, heldout, eval_seq_len, args.eval_windows,
@@ -245,6 +260,38 @@ def main() -> None:
     write_report(out, rows, original, summary, setup, f"{args.latent_dim} + {args.rope_dim}", args.model)
     if cache_types:
         place(summary["tokens"])
+
+
+def adopt_conversion(source: Path, settings: ConvertSettings, converted: Path) -> dict:
+    """Copy a finished conversion into the run as its `converted` checkpoint, once its record says it is what
+    `settings` would make: converted from the same weights, every setting that changes the result the same, and
+    calibrated on the same documents (by name and, where the recorded files are still there, by content). Returns its
+    conversion.json. Copied whole before it takes the name the run looks for: a copy cut short is not a conversion."""
+    import shutil
+
+    flag = f"--converted {source}"
+    try:
+        record = converted_from(str(source), "--converted", settings.model, settings.gguf_file)
+        made = dict(record["settings"])
+        made["method"] = recorded_method(made.get("method", {}))
+        wanted = result_settings(settings)
+        wanted["method"] = settings.method.as_dict()
+        differs = [k for k in wanted if k not in ("calib_data", "device") and made.get(k) != wanted[k]]
+        if differs:
+            raise UserError(f"{flag} was made with other " + ", ".join(
+                f"{k} ({made.get(k)!r}, this run asks {wanted[k]!r})" for k in differs[:3]) +
+                ": pass the flags it was made with (--latent-dim, --rope-dim, --calib-samples, --calib-seq-len, "
+                "--set, --target) or convert in this run")
+        if not calibrated_on(made["calib_data"], settings.calib_data, flag):
+            raise UserError(f"{flag} was calibrated on {made['calib_data']}, not on this run's --data text "
+                            f"({settings.calib_data}): convert in this run, or pass the --data it was calibrated on")
+    except UserError as exc:
+        raise SystemExit(str(exc)) from None
+    staging = converted.with_name(f".{converted.name}.copying")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging)
+    staging.rename(converted)
+    return record
 
 
 def original_perplexity(reference: Path, model_dir: str, gguf: str | None, heldout: Path, seq_len: int, windows: int,

@@ -226,6 +226,55 @@ def test_heal_benchmark_refuses_a_directory_converted_with_other_settings(tmp_pa
     assert run.returncode != 0 and '"calib": "mix-code"' in run.stderr
 
 
+def test_heal_benchmark_adopts_only_the_conversion_it_would_make(make_model, text_file, tmp_path, capsys):
+    """eval/heal.py --converted DIR: a finished conversion is copied in as the run's own only when its record says it is
+    what the run would convert (same weights, every setting that changes the result, the same calibration documents);
+    otherwise a one-line refusal naming what differs, and nothing in the run."""
+    from transmla_tool.convert import ConvertSettings, convert
+    from transmla_tool.methods import PRESETS
+
+    heal_script = _eval_module("heal")
+    model = str(make_model("llama", kv_heads=2))
+    text = text_file.read_text().split("\n\n")
+
+    def splits(where: Path, change: str = "") -> str:
+        where.mkdir()
+        for i, name in enumerate(["news", "forum"]):
+            lines = [json.dumps({"text": t + change}) for t in text[i::2]]
+            (where / f"{name}-calib.jsonl").write_text("\n".join(lines) + "\n")
+        return ",".join(str(where / f"{n}-calib.jsonl") for n in ["news", "forum"])
+
+    made = dict(model=model, latent_dim=8, rope_dim=8, calib_samples=4, calib_seq_len=64, dtype="float32",
+                target="transformers", method=PRESETS["closed-form"])
+    elsewhere = tmp_path / "elsewhere"
+    convert(ConvertSettings(**made, output=str(elsewhere), calib_data=splits(tmp_path / "its-data"), device="cpu",
+                            progress=False))
+    run = tmp_path / "run"
+    run.mkdir()
+    converted = run / "converted-16"
+
+    def adopt(calib_data: str, **changed):
+        settings = ConvertSettings(**{**made, **changed}, output=str(converted), calib_data=calib_data, device="cpu",
+                                   overwrite=True)
+        return heal_script.adopt_conversion(elsewhere, settings, converted)
+
+    same = splits(tmp_path / "same-data")  # the same documents, another directory (a run's own data/)
+    with pytest.raises(SystemExit, match=r"made with other latent_dim \(8, this run asks 16\)"):
+        adopt(same, latent_dim=16)
+    with pytest.raises(SystemExit, match="made with other method"):
+        adopt(same, method=PRESETS["default"])
+    with pytest.raises(SystemExit, match="other documents than this run's .*other-data/forum-calib.jsonl"):
+        adopt(splits(tmp_path / "other-data", " (edited)"))
+    with pytest.raises(SystemExit, match="not on this run's --data text"):
+        adopt(same.split(",")[0])
+    assert not converted.exists() and not list(run.iterdir())
+    record = adopt(same)
+    assert record["settings"]["latent_dim"] == 8
+    assert sorted(p.name for p in converted.iterdir()) == sorted(p.name for p in elsewhere.iterdir())
+    assert (converted / "model.safetensors").read_bytes() == (elsewhere / "model.safetensors").read_bytes()
+    assert [p.name for p in run.iterdir()] == ["converted-16"]  # no staging copy left behind
+
+
 def test_heal_original_perplexity_is_measured_again_for_other_windows(make_model, text_file, tmp_path):
     """original.json is reused only for the windows it was measured on: a rerun at another --seq-len (or window
     count) in the same directory measures the original again instead of dividing by the other length's number."""
@@ -1080,7 +1129,8 @@ def test_frontier_scores_a_finished_checkpoint_on_the_text_its_calibration_left_
     monkeypatch.setattr(sys, "argv", [*argv[:argv.index("--output-dir") + 1], str(tmp_path / "refused"),
                                       *argv[argv.index("--output-dir") + 2:], "--configs", "", "--data-dir",
                                       str(other), "--checkpoint", f"kept={ckpt}"])
-    with pytest.raises(SystemExit, match="other documents than this run's .*news-calib.jsonl.*--data-dir"):
+    refused = "other documents than this run's .*news-calib.jsonl.*those in .*frontier/data"
+    with pytest.raises(SystemExit, match=refused):
         frontier.main()
     assert len(scored) == 3
 

@@ -75,6 +75,26 @@ def labelled_checkpoint(spec: str, flag: str, model: str, gguf_file: str | None)
     return label, Path(path), converted_from(path, f"{flag} {label}:", model, gguf_file)
 
 
+def calibrated_on(recorded: str, ours: str, flag: str) -> bool:
+    """Whether a conversion's recorded calibration files (`--calib-data`, comma-joined) are `ours` (comma-joined) by
+    file name; where they are and the recorded files are still there, they must hold the same documents: a one-line
+    refusal otherwise (text that `ours`' run holds out could be text the conversion was calibrated on). Recorded files
+    that are gone are said on stderr and taken by name."""
+    theirs, mine = (sorted((Path(p) for p in files.split(",") if p), key=lambda p: p.name)
+                    for files in (recorded, ours))
+    if [p.name for p in theirs] != [p.name for p in mine]:
+        return False
+    for before, now in zip(theirs, mine):
+        if not before.exists():
+            print(f"warning: {flag} was calibrated on {before}, which is gone: cannot check that it holds the "
+                  f"documents of {now}", file=sys.stderr)
+        elif before.resolve() != now.resolve() and before.read_bytes() != now.read_bytes():
+            raise UserError(f"{flag} was calibrated on {before}, other documents than this run's {now}: the held-out "
+                            f"text could overlap its calibration; use the splits it was calibrated on (those in "
+                            f"{before.parent}: eval scripts' --data-dir), or convert again")
+    return True
+
+
 def _model_type(path: Path) -> str | None:
     try:
         return json.loads((path / "config.json").read_text()).get("model_type")
