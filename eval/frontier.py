@@ -165,7 +165,7 @@ def main() -> None:
     splits = reuse_splits(Path(args.data_dir)) if args.data_dir else domain_splits(out / "data")
     specs = {source: calib_spec(source, splits) for source in args.calib.split(",")}
     given = [checkpoint_point(spec, model_dir, gguf, splits) for spec in args.checkpoint]  # refused before any work
-    clash = {p["base"]["config"] for p in given} & {name for name, _, _ in configs}
+    clash = {base["config"] for base in given} & {name for name, _, _ in configs}
     if clash:
         raise SystemExit(f"--checkpoint {sorted(clash)[0]}: a --configs entry has the same name")
     texts = {d: _text_file(splits[d][1], out / "text" / f"{d}.txt") for d in DOMAINS}
@@ -193,7 +193,7 @@ def main() -> None:
     # the original on the kinds of text the asked calibrations are scored on (all four with --all-domains): a 1.5B
     # model under five caches on 2 CPU cores is hours per kind of text
     # --calib's sources where it converts (or nothing else is asked: `--configs ''` scores the original alone)
-    calibrations = [*(specs if configs or not given else []), *(p["base"]["calib"] for p in given)]
+    calibrations = [*(specs if configs or not given else []), *(base["calib"] for base in given)]
     original_domains = DOMAINS if args.all_domains or args.in_domain else \
         [d for d in DOMAINS if any(d in unseen(s) for s in calibrations)]
     if any(("original", "-", "original", 0, e, d) not in done for e in original_types for d in original_domains):
@@ -249,28 +249,28 @@ def main() -> None:
                 elif latent not in reused:  # what llama.cpp must be told at run time, for a later --gguf-from
                     model_file.with_name(f"{ckpt.name}.run-flags.json").write_text(json.dumps(exported["run_flags"]))
                 gc.collect()
-    for point in given:
-        base = point["base"]
+    for base in given:
         check_resumable(rows, results, {k: base[k] for k in ("model", "calib", "config")},
                         {k: base[k] for k in ("method", "calib_samples", "calib_seq_len", "checkpoint")})
         domains = DOMAINS if args.in_domain else unseen(base["calib"])
         if all(_key({**base, "cache": e, "domain": d}) in done for e in converted_types for d in domains):
             continue
-        model_file = gguf_dir / f"{base['calib']}-{base['config']}-{base['budget']}-f32.gguf"
+        # named as a --configs point's GGUF, which benchmarks.py --frontier-dir finds when kept
+        name = f"{base['calib']}-{base['config']}-{base['budget']}"
+        model_file = gguf_dir / f"{name}-f32.gguf"
         exported = export_gguf(GGUFSettings(checkpoint=base["checkpoint"], output=str(model_file), outtype="f32",
                                             tokenizer_gguf=str(Path(model_dir) / gguf), overwrite=True))
         measure(model_file, exported["run_flags"], base, converted_types,
                 lambda e, v=base["budget"]: analytic_bytes(e, mla_values=v), domains)
         if args.keep_gguf:  # what llama.cpp must be told at run time, for a later --gguf-from
-            model_file.with_name(f"{model_file.name[:-len('-f32.gguf')]}.run-flags.json").write_text(
-                json.dumps(exported["run_flags"]))
+            model_file.with_name(f"{name}.run-flags.json").write_text(json.dumps(exported["run_flags"]))
         else:
             model_file.unlink(missing_ok=True)
     write_tables(out, budgets_asked, _names(args.plot_configs), args.max_ratio)
 
 
 def checkpoint_point(spec: str, model_dir: str, gguf: str | None, splits: dict) -> dict:
-    """--checkpoint 'NAME=DIR' of a finished conversion or heal of --model -> {"base": the fields of its rows}: the
+    """--checkpoint 'NAME=DIR' of a finished conversion or heal of --model -> the fields of its rows: the
     calibration source it was converted on (calibration_source), its budget and how it was made, from its record."""
     try:
         name, ckpt, summary = labelled_checkpoint(spec, "--checkpoint", model_dir, gguf)
@@ -278,14 +278,13 @@ def checkpoint_point(spec: str, model_dir: str, gguf: str | None, splits: dict) 
         raise SystemExit(f"frontier.py: {exc}") from None
     made = summary["settings"]
     healing = ckpt / "healing.json"
-    base = {"model": "converted", "calib": calibration_source(made["calib_data"], splits, f"--checkpoint {name}"),
+    return {"model": "converted", "calib": calibration_source(made["calib_data"], splits, f"--checkpoint {name}"),
             "config": name, "preset": made["method_name"], "overrides": [],
             "budget": made["latent_dim"] + made["rope_dim"], "latent_dim": made["latent_dim"],
             "rope_dim": made["rope_dim"], "method": recorded_method(made["method"]),
             "calib_samples": made["calib_samples"], "calib_seq_len": made["calib_seq_len"], "checkpoint": str(ckpt),
             "convert_seconds_all_budgets": summary.get("wall_time_s"), "stages": summary.get("stages"),
             "healed_tokens": json.loads(healing.read_text())["tokens"] if healing.exists() else 0}
-    return {"base": base}
 
 
 def calibration_source(calib_data: str, splits: dict, flag: str) -> str:
