@@ -27,6 +27,9 @@ from pathlib import Path
 
 EVAL = Path(__file__).parent
 sys.path.insert(0, str(EVAL))
+
+from transmla_tool.engines.process import run_child  # noqa: E402
+
 CALIB = "mix-docs"  # calibrated on the other three kinds of text, scored on docs
 ZERO_SHOT = "hellaswag,arc_easy,arc_challenge,piqa,winogrande,lambada_openai"
 ORIGINAL_CACHES = "f16,q8_0,iq4_nl,q4_0"
@@ -134,7 +137,7 @@ def main() -> None:
     for i, step in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {shlex.join(step)}", flush=True)
         if not args.dry_run:
-            subprocess.run(step, check=True)
+            run_child(step, check=True)
     if not args.dry_run:
         print(f"the table: {Path(args.output_dir) / 'benchmarks.md'}")
 

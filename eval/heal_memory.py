@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quality import _append, _read  # noqa: E402
 
 from transmla_tool.assets import lee_corpus, smollm2_gguf  # noqa: E402
+from transmla_tool.engines.process import run_child  # noqa: E402
 
 
 def parse_arm(spec: str) -> dict:
@@ -52,7 +52,7 @@ def heal_in_child(args, arm: dict, length: int, out: Path) -> dict:
     if arm["gradient_checkpointing"]:
         argv.append("--gradient-checkpointing")
     start = time.time()
-    code = subprocess.run(argv).returncode
+    code = run_child(argv).returncode
     if code != 0:
         raise SystemExit(f"heal_memory.py: {arm['name']} at {length} failed (exit {code}): {' '.join(argv)}")
     summary = json.loads((out / "healing.json").read_text())

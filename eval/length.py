@@ -43,6 +43,7 @@ from quality import _append, _read, check_resumable, check_same_scoring, parse_c
 
 from transmla_tool.assets import DOMAINS, domain_splits  # noqa: E402
 from transmla_tool.data import token_windows  # noqa: E402
+from transmla_tool.engines.process import run_child  # noqa: E402
 from transmla_tool.errors import UserError  # noqa: E402
 from transmla_tool.evaluate.models import load_model, load_tokenizer  # noqa: E402
 from transmla_tool.evaluate.perplexity import perplexity  # noqa: E402
@@ -72,8 +73,6 @@ def convert_in_child(model_dir: str, gguf: str, ckpt: Path, config: dict, spec: 
                      device: str) -> dict:
     """`transmla-tool convert` in its own process, so that its peak memory is its own (this process has held
     long-window logits): wall time, peak RSS and time per stage from the conversion's record."""
-    import subprocess
-
     argv = [sys.executable, "-m", "transmla_tool", "convert", "--model", model_dir, "--gguf-file", gguf,
             "--output", str(ckpt), "--overwrite", "--target", "llamacpp", "--no-progress", "--dtype", "float32",
             "--device", device, "--latent-dim", str(config["budget"] - config["rope_dim"]),
@@ -82,7 +81,7 @@ def convert_in_child(model_dir: str, gguf: str, ckpt: Path, config: dict, spec: 
     for override in config["overrides"]:
         argv += ["--set", override]
     start = time.time()
-    run = subprocess.run(argv, check=False)
+    run = run_child(argv, check=False)
     if run.returncode != 0:
         raise SystemExit(f"length.py: converting {config['name']} failed (exit {run.returncode}): {' '.join(argv)}")
     summary = json.loads((ckpt / "conversion.json").read_text())

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -545,3 +546,50 @@ def test_nothing_left_after_refusals(tmp_path):
     before = _tree(tmp_path)
     (tmp_path / "a" / "b" / "c").write_text("y")
     assert _tree(tmp_path) != before
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for a reaper counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _kill_parent_of_a_sleeping_tool(tmp_path: Path, run_call: str) -> int:
+    """Start a parent that runs a long-sleeping 'tool' through `run_call`, SIGKILL the parent, and return the
+    tool's pid."""
+    pid_file = tmp_path / f"tool-{len(list(tmp_path.iterdir()))}.pid"
+    tool = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+                                  "time.sleep(120)"]
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess\n{run_call}({tool!r})"],
+                              cwd=Path(__file__).resolve().parents[1])
+    for _ in range(600):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        assert parent.poll() is None, "the parent ended before its tool started"
+        time.sleep(0.05)
+    else:
+        pytest.fail("the tool never started")
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    return int(pid_file.read_text())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_an_engine_tool_ends_with_the_benchmark_that_started_it(tmp_path):
+    """`pkill -f eval/frontier.py` once left its llama-perplexity running for up to an hour. The engine tools run
+    through engines.process.run_child (llama.cpp's _run here), whose children the kernel terminates when their
+    parent dies; the same kill with plain subprocess.run leaves the tool running, which shows the check can fail."""
+    plain = _kill_parent_of_a_sleeping_tool(tmp_path, "subprocess.run")
+    try:
+        ours = _kill_parent_of_a_sleeping_tool(tmp_path, "from transmla_tool.engines.llamacpp import _run; _run")
+        deadline = time.time() + 10
+        while _alive(ours) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not _alive(ours), "the tool outlived the killed benchmark"
+        assert _alive(plain), "control: a plain subprocess.run child should outlive its killed parent"
+    finally:
+        for pid in (plain, locals().get("ours")):
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)

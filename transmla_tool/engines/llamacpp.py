@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 from ..errors import UserError
+from .process import run_child
 from .vllm_engine import ENGINES_DIR
 
 
@@ -31,8 +32,8 @@ def llama_cpp_bin(tool: str) -> Path:
 def llama_cpp_version() -> str:
     """The llama.cpp that runs: the binary's own version line, and the source it was built from when
     `make engines` recorded it (SOURCE beside the build)."""
-    run = subprocess.run([str(llama_cpp_bin("llama-perplexity")), "--version"], capture_output=True, text=True,
-                         timeout=60, stdin=subprocess.DEVNULL)
+    run = run_child([llama_cpp_bin("llama-perplexity"), "--version"], capture_output=True, text=True, timeout=60,
+                    stdin=subprocess.DEVNULL)
     line = next((ln for ln in (run.stdout + run.stderr).splitlines() if ln.startswith("version:")), "version: unknown")
     source = llama_cpp_bin("llama-perplexity").parents[2] / "SOURCE"
     built_from = f" from {source.read_text().strip()}" if source.exists() else ""
@@ -45,8 +46,8 @@ def _run(cmd: list, timeout: int = 3600) -> str:
     import tempfile
 
     with tempfile.TemporaryFile("w+") as log:
-        run = subprocess.run([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             text=True, timeout=timeout)
+        run = run_child(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                        timeout=timeout)
         log.seek(0)
         text = log.read()
     if run.returncode != 0:
@@ -143,8 +144,8 @@ def decode_speed(gguf: str | Path, depth: int, tokens: int = 16, repetitions: in
 def greedy_text(gguf: str | Path, prompt: str, tokens: int) -> str:
     """The text llama-simple generates greedily after `prompt` (prompt included; it prints the text
     alone on stdout and stops early at an end-of-generation token)."""
-    run = subprocess.run([str(llama_cpp_bin("llama-simple")), "-m", str(gguf), "-n", str(tokens), prompt],
-                         capture_output=True, text=True, timeout=600)
+    run = run_child([llama_cpp_bin("llama-simple"), "-m", gguf, "-n", tokens, prompt], capture_output=True,
+                    text=True, timeout=600)
     if run.returncode != 0:
         raise RuntimeError(f"llama-simple failed on {gguf}:\n{run.stderr[-1500:]}")
     return run.stdout

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 
 from ..errors import UserError
+from .process import run_child
 
 ENGINES_DIR = Path(os.environ.get("TRANSMLA_ENGINES", Path.home() / ".cache" / "transmla-tool" / "engines"))
 RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -39,7 +39,7 @@ def run_vllm(model: str | Path, *, greedy=None, new_tokens: int = 32, perplexity
                "--dtype", dtype, "--max-model-len", str(max_model_len), "--kv-cache-dtype", kv_cache_dtype,
                "--attention-backend", attention_backend]
         full_env = dict(os.environ, **(env or {}))
-        run = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+        run = run_child(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
         if run.returncode != 0 or not out.exists():
             tail = "\n".join((run.stderr or run.stdout).strip().splitlines()[-15:])
             raise RuntimeError(f"vLLM failed on {model} (exit {run.returncode}):\n{tail}")
