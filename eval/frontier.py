@@ -181,7 +181,8 @@ def main() -> None:
                                  flags=[*run_flags, *cache_flags(entry)])
                 row.update(perplexity=ppl["perplexity"], chunks=ppl["chunks"], ctx=args.ctx, source_model=args.model,
                            bytes=ppl["kv_bytes_per_token_per_layer"], kv_cells=ppl["kv_cells"], kv_layers=ppl["kv_layers"],
-                           analytic_bytes=analytic(entry), engine=version, cpu_kernels=ppl["cpu_kernels"])
+                           analytic_bytes=analytic(entry), engine=version, cpu_kernels=ppl["cpu_kernels"],
+                           **({"data_dir": args.data_dir} if args.data_dir else {}))
                 check_same_engine(rows, results, row["engine"], row["cpu_kernels"])
                 _check_bytes(row)
                 _append(results, row)
@@ -487,6 +488,16 @@ def write_tables(out: Path, max_bytes: list[float], plot_configs: list[str] | No
     print("\n".join(lines))
 
 
+def original_domains_flag(domains: set[str]) -> str:
+    """The flag that scores the original, alone, on these kinds of text: the default --calib's unseen ones, all
+    four, or the ones --calib mix-D leaves out."""
+    if domains == set(unseen("news")):
+        return ""
+    if domains == set(DOMAINS):
+        return " --all-domains"
+    return " --calib " + ",".join(f"mix-{d}" for d in DOMAINS if d in domains)
+
+
 def commands(rows: list[dict], out: Path) -> list[str]:
     """The command that (re)makes each group of rows: a rerun with the same names measures only what is missing."""
     lines = ["## How each row was made", "",
@@ -497,15 +508,19 @@ def commands(rows: list[dict], out: Path) -> list[str]:
     groups: dict[tuple, dict] = {}
     for r in rows:
         key = (r["model"], r["calib"], r["config"])
-        group = groups.setdefault(key, {"budgets": set(), "caches": set(), "row": r})
+        group = groups.setdefault(key, {"budgets": set(), "caches": set(), "domains": set(), "row": r})
         group["budgets"].add(r["budget"])
         group["caches"].add(r["cache"])
+        group["domains"].add(r["domain"])
     for (model, calib, config), group in groups.items():
         r, caches = group["row"], ",".join(sorted(group["caches"]))
         model_flag = f" --model {r['source_model']}" if r.get("source_model", DEFAULT_MODEL) != DEFAULT_MODEL else ""
-        base = f"python eval/frontier.py --output-dir {out}{model_flag} --chunks {r['chunks']} --ctx {r['ctx']}"
+        data_flag = f" --data-dir {r['data_dir']}" if r.get("data_dir") else ""
+        base = (f"python eval/frontier.py --output-dir {out}{model_flag} --chunks {r['chunks']} --ctx {r['ctx']}"
+                f"{data_flag}")
         if model == "original":
-            lines.append(f"{base} --configs '' --original-cache-types {caches}")
+            where = original_domains_flag(group["domains"])
+            lines.append(f"{base}{where} --configs '' --original-cache-types {caches}")
             continue
         if r.get("checkpoint"):
             lines.append(f'{base} --configs \'\' --checkpoint "{config}={r["checkpoint"]}" --cache-types {caches}')

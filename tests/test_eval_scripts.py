@@ -565,7 +565,14 @@ def test_frontier_tables_take_the_worst_unseen_domain(tmp_path, monkeypatch):
     # every group of rows with the command that remakes it (a rerun measures only what is missing)
     assert (f"python eval/frontier.py --output-dir {tmp_path} --chunks 16 --ctx 512 --calib news --calib-samples 32 "
             '--budgets 192 --configs "default=default" --cache-types f16,q4_0') in text
-    assert "--configs '' --original-cache-types f16,q4_0,q8_0" in text
+    assert "--ctx 512 --all-domains --configs '' --original-cache-types f16,q4_0,q8_0" in text
+    # the original alone, on the text and the kinds of text its rows were scored on
+    docs_only = [{**r, "data_dir": "runs/length/data"} for r in _frontier_rows() if r["domain"] == "docs"]
+    assert (f"python eval/frontier.py --output-dir {tmp_path} --chunks 16 --ctx 512 --data-dir runs/length/data "
+            "--calib mix-docs --configs '' --original-cache-types f16,q4_0,q8_0") in frontier.commands(docs_only,
+                                                                                                      tmp_path)
+    unseen_by_news = [r for r in _frontier_rows() if r["domain"] != "news" and r["model"] == "original"]
+    assert "--ctx 512 --configs '' --original-cache-types" in "\n".join(frontier.commands(unseen_by_news, tmp_path))
     plotted = []
     monkeypatch.setattr(frontier, "plot", lambda points, *a: plotted.append({p.label for p in points}))
     frontier.write_tables(tmp_path, [216.0], plot_configs=["another"])  # the plot shows the original alone
