@@ -203,6 +203,19 @@ def main() -> None:
         measure(original_f32, [], {"model": "original", "calib": "-", "config": "original", "budget": 0},
                 original_types, lambda e: analytic_bytes(e, kv_values=original_kv_values), original_domains)
 
+    def score_checkpoint(ckpt, name: str, base: dict, domains, reused: dict | None = None) -> None:
+        """A checkpoint's rows: exported to <gguf>/NAME-f32.gguf (or a --gguf-from export reused), scored under
+        each converted cache type, the GGUF kept (with its run flags) only with --keep-gguf."""
+        model_file = gguf_dir / f"{name}-f32.gguf"
+        exported = reused or export_gguf(GGUFSettings(checkpoint=str(ckpt), output=str(model_file), outtype="f32",
+                                                      tokenizer_gguf=str(Path(model_dir) / gguf), overwrite=True))
+        measure(model_file, exported["run_flags"], base, converted_types,
+                lambda e, v=base["budget"]: analytic_bytes(e, mla_values=v), domains)
+        if not args.keep_gguf:
+            model_file.unlink(missing_ok=True)
+        elif not reused:  # what llama.cpp must be told at run time, for a later --gguf-from
+            model_file.with_name(f"{name}.run-flags.json").write_text(json.dumps(exported["run_flags"]))
+
     budgets = [int(b) for b in args.budgets.split(",")]
     for source, spec in specs.items():
         for name, preset, overrides in configs:
@@ -233,22 +246,13 @@ def main() -> None:
                 summaries.update(convert_many(settings, {r: str(p) for r, p in ckpts.items() if r not in summaries}))
             seconds = round(time.time() - start, 1)
             for latent, ckpt in ckpts.items():
-                model_file = gguf_dir / f"{ckpt.name}-f32.gguf"
-                exported = reused.get(latent) or export_gguf(GGUFSettings(
-                    checkpoint=str(ckpt), output=str(model_file), outtype="f32",
-                    tokenizer_gguf=str(Path(model_dir) / gguf), overwrite=True))
                 base = {"model": "converted", "calib": source, "config": name, "preset": preset,
                         "overrides": overrides, "budget": latent + args.rope_dim, "latent_dim": latent,
                         "rope_dim": args.rope_dim, **made, "convert_seconds_all_budgets": seconds,
                         "stages": summaries[latent].get("stages")}
-                measure(model_file, exported["run_flags"], base, converted_types,
-                        lambda e, v=latent + args.rope_dim: analytic_bytes(e, mla_values=v), domains)
+                score_checkpoint(ckpt, ckpt.name, base, domains, reused.get(latent))
                 if not args.keep_checkpoints:
                     shutil.rmtree(ckpt, ignore_errors=True)
-                if not args.keep_gguf:
-                    model_file.unlink(missing_ok=True)
-                elif latent not in reused:  # what llama.cpp must be told at run time, for a later --gguf-from
-                    model_file.with_name(f"{ckpt.name}.run-flags.json").write_text(json.dumps(exported["run_flags"]))
                 gc.collect()
     for base in given:
         check_resumable(rows, results, {k: base[k] for k in ("model", "calib", "config")},
@@ -257,16 +261,7 @@ def main() -> None:
         if all(_key({**base, "cache": e, "domain": d}) in done for e in converted_types for d in domains):
             continue
         # named as a --configs point's GGUF, which benchmarks.py --frontier-dir finds when kept
-        name = f"{base['calib']}-{base['config']}-{base['budget']}"
-        model_file = gguf_dir / f"{name}-f32.gguf"
-        exported = export_gguf(GGUFSettings(checkpoint=base["checkpoint"], output=str(model_file), outtype="f32",
-                                            tokenizer_gguf=str(Path(model_dir) / gguf), overwrite=True))
-        measure(model_file, exported["run_flags"], base, converted_types,
-                lambda e, v=base["budget"]: analytic_bytes(e, mla_values=v), domains)
-        if args.keep_gguf:  # what llama.cpp must be told at run time, for a later --gguf-from
-            model_file.with_name(f"{name}.run-flags.json").write_text(json.dumps(exported["run_flags"]))
-        else:
-            model_file.unlink(missing_ok=True)
+        score_checkpoint(base["checkpoint"], f"{base['calib']}-{base['config']}-{base['budget']}", base, domains)
     write_tables(out, budgets_asked, _names(args.plot_configs), args.max_ratio)
 
 

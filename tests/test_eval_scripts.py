@@ -1033,9 +1033,9 @@ def _converted_rows(out: Path) -> list[tuple]:
 def test_frontier_keeps_scored_checkpoints_only_when_asked(make_model, tmp_path, monkeypatch, keep):
     """eval/frontier.py end to end: each budget is converted once, scored under each cache type on the held-out
     domain, and its checkpoint is kept (a loadable conversion, for cache_split, rebalance or heal) only under
-    --keep-checkpoints."""
+    --keep-checkpoints, its GGUF (with the flags llama.cpp needs, for benchmarks.py) only under --keep-gguf."""
     frontier, scored = _frontier_on_recorder(make_model, tmp_path, monkeypatch,
-                                             ["--keep-checkpoints"] if keep else [])
+                                             ["--keep-checkpoints", "--keep-gguf"] if keep else [])
     frontier.main()
     out = tmp_path / "frontier"
     assert _converted_rows(out) == [(24, "f16", "docs"), (24, "f32", "docs"), (32, "f16", "docs"), (32, "f32", "docs")]
@@ -1046,9 +1046,12 @@ def test_frontier_keeps_scored_checkpoints_only_when_asked(make_model, tmp_path,
         assert kept == ["mix-docs-default-24", "mix-docs-default-32"]
         config = json.loads((out / "ckpt" / "mix-docs-default-24" / "config.json").read_text())
         assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (16, 8)
+        assert sorted(p.name for p in (out / "gguf").glob("mix-docs-*")) == [
+            f"mix-docs-default-{b}{end}" for b in (24, 32) for end in ("-f32.gguf", ".run-flags.json")]
+        assert isinstance(json.loads((out / "gguf" / "mix-docs-default-24.run-flags.json").read_text()), list)
     else:
         assert kept == []
-    assert not list((out / "gguf").glob("mix-docs-*"))  # the GGUFs go either way without --keep-gguf
+        assert not list((out / "gguf").glob("mix-docs-*"))  # the GGUFs go either way without --keep-gguf
 
 
 def test_frontier_killed_while_scoring_does_not_convert_again(make_model, tmp_path, monkeypatch):
