@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from transmla_tool.engines.process import child_kwargs
+
 SHAPES = {
     # Llama-3-8B and Llama-3-70B attention/MLP shapes (GQA, 8 KV heads, head_dim 128)
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -160,7 +162,7 @@ def main() -> None:
            "--method", args.method, "--device", args.device, "--dtype", args.dtype, "--overwrite", "--no-progress",
            *[a for pair in args.overrides for a in ("--set", pair)]]
     start = time.time()
-    child = subprocess.Popen(cmd)
+    child = subprocess.Popen(cmd, **child_kwargs())
     sampler = ProcSampler(child.pid)
     sampler.start()
     code = child.wait()

@@ -22,8 +22,11 @@ def _terminate_with_parent() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
+def child_kwargs() -> dict:
+    """subprocess.Popen keyword arguments for a child that is terminated when this process dies (Linux)."""
+    return {"preexec_fn": _terminate_with_parent} if sys.platform.startswith("linux") else {}
+
+
 def run_child(cmd: list, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, **kwargs) whose child is terminated when this process dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        kwargs.setdefault("preexec_fn", _terminate_with_parent)
-    return subprocess.run([str(c) for c in cmd], **kwargs)
+    return subprocess.run([str(c) for c in cmd], **{**child_kwargs(), **kwargs})
