@@ -581,7 +581,7 @@ def test_an_engine_tool_ends_with_the_benchmark_that_started_it(tmp_path):
     """`pkill -f eval/frontier.py` once left its llama-perplexity running for up to an hour. The engine tools run
     through engines.process.run_child (llama.cpp's _run here), whose children the kernel terminates when their
     parent dies; the same kill with plain subprocess.run leaves the tool running, which shows the check can fail."""
-    plain = _kill_parent_of_a_sleeping_tool(tmp_path, "subprocess.run")
+    plain, ours = _kill_parent_of_a_sleeping_tool(tmp_path, "subprocess.run"), None
     try:
         ours = _kill_parent_of_a_sleeping_tool(tmp_path, "from transmla_tool.engines.llamacpp import _run; _run")
         deadline = time.time() + 10
@@ -590,6 +590,6 @@ def test_an_engine_tool_ends_with_the_benchmark_that_started_it(tmp_path):
         assert not _alive(ours), "the tool outlived the killed benchmark"
         assert _alive(plain), "control: a plain subprocess.run child should outlive its killed parent"
     finally:
-        for pid in (plain, locals().get("ours")):
+        for pid in (plain, ours):
             if pid and _alive(pid):
                 os.kill(pid, signal.SIGKILL)
